@@ -1,0 +1,45 @@
+"""The attention-backend interface and backend selection.
+
+A backend writes the step's new K/V into the paged cache and computes
+attention for the flat batch described by `AttentionMetadata`, honouring each
+prefill span's `MaskSpec`. The KV cache of one layer is a tensor
+[2, num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Store k/v at meta.slot_mapping, then return attention output [T, num_heads * head_dim]."""
+
+
+def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """`auto` picks the fastest backend that works on the device."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")

@@ -1,0 +1,99 @@
+"""The engine's frozen configuration and the values derived from it at runtime.
+
+`EngineConfig` is what a user sets. `CacheLayout` is what the engine works out
+when it starts (how many KV blocks fit); it never writes back into the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MASK_POLICIES = ("causal", "chunk_bidirectional", "prefix_bidirectional", "packed_segments")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    Memory: the KV pool is `kv_cache_memory_bytes` when set; otherwise
+    `max_cache_ratio` of the device's memory (on the CPU, of the host's RAM,
+    capped by `cpu_kv_cache_cap_bytes`). `num_kv_blocks` overrides both and is
+    meant for tests that force preemption.
+    """
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    max_cache_ratio: float = 0.4
+    cpu_kv_cache_cap_bytes: int = 2 << 30
+    num_kv_blocks: int | None = None
+    kv_cache_policy: str = "lru"
+    weight_bits: int = 16
+    cache_bits: int = 16
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.max_cache_ratio <= 1:
+            raise InvalidRequestError(f"max_cache_ratio must be in (0, 1], got {self.max_cache_ratio}")
+        if self.kv_cache_policy != "lru":
+            raise InvalidRequestError(f"kv_cache_policy must be 'lru', got {self.kv_cache_policy!r}")
+        if self.weight_bits not in (16, 8, 4):
+            raise InvalidRequestError(f"weight_bits must be 16, 8 or 4, got {self.weight_bits}")
+        if self.cache_bits not in (16, 8):
+            raise InvalidRequestError(f"cache_bits must be 16 or 8, got {self.cache_bits}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise InvalidRequestError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from keyword options, with a clear error for unknown names."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**options)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The KV pool as sized at start-up."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size

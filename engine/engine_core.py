@@ -1,0 +1,193 @@
+"""EngineCore: one step is schedule -> execute -> update.
+
+The core is synchronous and single-threaded; a host (the offline `LLM`, or
+the worker's engine thread) feeds it requests and calls step() in a loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from engine.attention.backend import select_backend
+from engine.attention.metadata import CAUSAL, MaskSpec
+from engine.block_manager import BlockManager
+from engine.config import DTYPES, CacheLayout, EngineConfig
+from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
+from engine.kv_cache import allocate_kv_caches, plan_cache_layout
+from engine.kv_events import KVEvent
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig
+from engine.models.loader import load_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.model_registry import resolve_model
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path: Path = resolve_model(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        mc = self.model_config
+        self.tokenizer = Tokenizer(self.model_path, mc.eos_token_ids) if (self.model_path / "tokenizer.json").is_file() else None
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
+
+        backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model = load_model(self.model_path, mc, backend, max_positions, self.dtype, self.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype, weight_bytes)
+        self.max_model_len = self.layout.max_model_len
+        self.kv_caches = allocate_kv_caches(self.layout, mc)
+        self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._steps = 0
+        self.last_stats = EngineStats()
+
+    # ---- requests ------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, mask: MaskSpec = CAUSAL, arrival_time: float | None = None,
+                    add_special_tokens: bool = True) -> Request:
+        """Validate and queue a request; raises RequestError (with a stable code) if it can't run."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        prompt_text, token_ids = self._tokenize(prompt, add_special_tokens)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        if not mask.is_causal and len(token_ids) > self.config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"a {mask.policy} prompt is prefilled in one step, so it may have at most "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} tokens; it has {len(token_ids)}"
+            )
+        req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text)
+        self.output_processor.add(req)
+        self.scheduler.add(req)
+        return req
+
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._pending.append(self.output_processor.finish_without_token(req, "abort"))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.take_events()
+
+    # ---- the step ------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.last_stats = self._stats(sched, 0.0, [])
+            return outputs
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = self.scheduler.requests[s.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:
+            # A failure inside the forward pass must not take the engine down:
+            # fail the requests of this step and keep serving the rest.
+            return outputs + self._fail_step(sched, exc)
+        finished_ids: list[str] = []
+        for st in self.scheduler.update(sched, result.sampled):
+            req = st.request
+            out, stop_hit = self.output_processor.process(
+                req, st.new_token_id, result.logprobs.get(req.request_id), st.finished)
+            if stop_hit and not st.finished:
+                self.scheduler.finish(req, "stop")
+            if out.finished:
+                finished_ids.append(req.request_id)
+            outputs.append(out)
+        self._steps += 1
+        self.last_stats = self._stats(sched, time.perf_counter() - t0, finished_ids)
+        return outputs
+
+    def _fail_step(self, sched, exc: Exception) -> list[RequestOutput]:
+        err = RequestError(f"internal error during the forward pass: {exc!r}", code="internal")
+        outs = []
+        for s in sched.scheduled:
+            req = self.scheduler.requests.get(s.request_id)
+            if req is not None:
+                self.scheduler.finish(req, "error")
+                outs.append(self.output_processor.finish_without_token(req, "error", err))
+        return outs
+
+    def _stats(self, sched, step_time: float, finished_ids: list[str]) -> EngineStats:
+        bm = self.block_manager
+        decodes = sum(1 for s in sched.scheduled if s.is_decode)
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage,
+            prefix_cache_hit_rate=bm.hit_rate,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            step_num_tokens=sched.num_scheduled_tokens,
+            step_num_seqs=len(sched.scheduled),
+            step_token_budget=self.config.max_num_batched_tokens,
+            step_prefill_tokens=sched.num_scheduled_tokens - decodes,
+            step_decode_seqs=decodes,
+            step_time_s=step_time,
+            steps_total=self._steps,
+            finished_ids=finished_ids,
+        )

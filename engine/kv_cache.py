@@ -1,0 +1,55 @@
+"""Sizing and allocating the paged KV pool."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.config import CacheLayout, EngineConfig
+from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype,
+                      weight_bytes: int) -> CacheLayout:
+    per_block = bytes_per_block(model, cfg.block_size, dtype)
+    if cfg.num_kv_blocks is not None:
+        num_blocks = cfg.num_kv_blocks
+    else:
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        else:
+            budget = int(device_memory_bytes(device) * cfg.max_cache_ratio)
+            if device.type == "cuda":
+                budget = min(budget, torch.cuda.mem_get_info(device)[0] - (1 << 30))
+            else:
+                budget = min(budget, cfg.cpu_kv_cache_cap_bytes)
+        num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ModelLoadError(f"the KV budget holds {num_blocks} block(s) of {per_block} bytes; raise the memory budget")
+    limit = cfg.max_model_len or model.max_position_embeddings
+    if cfg.max_model_len and cfg.max_model_len > model.max_position_embeddings:
+        raise ModelLoadError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                             f"{model.max_position_embeddings} positions")
+    if model.sliding_window and limit > model.sliding_window:
+        limit = model.sliding_window  # we attend over full context, so stay inside the window
+    # One request must always fit the pool, or it could wait forever.
+    max_model_len = min(limit, num_blocks * cfg.block_size)
+    return CacheLayout(num_blocks, cfg.block_size, per_block, max_model_len, device, dtype)
+
+
+def allocate_kv_caches(layout: CacheLayout, model: ModelConfig) -> list[torch.Tensor]:
+    shape = (2, layout.num_blocks, layout.block_size, model.num_kv_heads, model.head_dim)
+    return [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(model.num_layers)]

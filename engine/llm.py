@@ -1,0 +1,108 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.attention.metadata import CAUSAL, MaskSpec
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import RequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation with the continuous-batching engine, no service needed.
+
+    `engine_options` are EngineConfig fields (max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, num_kv_blocks, ...).
+    """
+
+    def __init__(self, model: str = "smollm2", dtype: str = "auto", **engine_options: object) -> None:
+        self.config = EngineConfig.from_options(model=model, dtype=dtype, **engine_options)
+        self.engine = EngineCore(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, masks: Sequence[MaskSpec] | None = None, progress: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. A bad request fails alone (its output carries `error`)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        param_list = self._expand(params, len(prompts))
+        mask_list = list(masks) if masks is not None else [CAUSAL] * len(prompts)
+        return self._run(prompts, param_list, mask_list, progress)
+
+    def chat(self, conversations: Sequence[list[dict[str, str]]] | list[dict[str, str]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        prompts: list[Prompt | RequestError] = []
+        for conv in conversations:
+            try:
+                text = self.engine.tokenizer.apply_chat_template(list(conv)) if self.engine.tokenizer else None
+                if text is None:
+                    raise RequestError("this model has no tokenizer")
+                prompts.append(self.engine.tokenizer.encode(text, add_special_tokens=False))
+            except RequestError as exc:
+                prompts.append(exc)
+        return self._run(prompts, self._expand(params, len(prompts)), [CAUSAL] * len(prompts), progress)
+
+    @staticmethod
+    def _expand(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+    def _run(self, prompts, params, masks, progress: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        ids: list[str] = []
+        for i, (prompt, p, mask) in enumerate(zip(prompts, params, masks, strict=True)):
+            rid = f"offline-{id(self)}-{i}"
+            ids.append(rid)
+            try:
+                if isinstance(prompt, RequestError):
+                    raise prompt
+                engine.add_request(rid, prompt, p, mask=mask)
+            except RequestError as exc:
+                results[rid] = _error_output(rid, prompt, exc)
+        bar = _progress(len(prompts) - len(results)) if progress else None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar:
+                        bar[0].advance(bar[1])
+        if bar:
+            bar[0].stop()
+        return [results[rid] for rid in ids]
+
+
+def _error_output(rid: str, prompt, exc: RequestError) -> RequestOutput:
+    return RequestOutput(
+        request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=prompt if isinstance(prompt, list) else [], token_ids=[], text="",
+        new_token_ids=[], new_text="", finished=True, finish_reason="error", error=exc,
+    )
+
+
+def _progress(total: int):
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    task = bar.add_task("generating", total=total)
+    bar.start()
+    return bar, task

@@ -1,0 +1,198 @@
+"""Continuous batching under a token budget.
+
+Each step the scheduler first gives running requests their next tokens (one
+for a decode, a chunk for an unfinished prefill), then admits waiting
+requests while the budget, `max_num_seqs` and the KV pool allow. Prefill and
+decode share the step. When the pool runs dry, the most recently admitted
+running request is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed later (its cached blocks usually survive
+in the prefix cache, so the recompute is cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention.metadata import MaskSpec
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as the model runner needs it."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step
+    start: int  # row of token_ids[0] in the sequence (tokens already computed)
+    block_table: list[int]
+    sample: bool  # the chunk ends at the last known token, so its logits pick the next one
+    mask: MaskSpec
+    params: SamplingParams
+    generator: torch.Generator | None
+    history: list[int]  # the request's tokens so far (shared, not copied)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start > 0 and self.mask.is_causal
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class FinishedStep:
+    """What update() did to one request."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.kv = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        preempted_now = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                preempted_now = True
+                if victim is req:
+                    break
+            else:
+                self._emit(out, req, num_new)
+                budget -= num_new
+                i += 1
+
+        # Admitting new work right after a preemption would only thrash the pool.
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(computed) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not req.mask.is_causal and num_new < req.num_tokens - num_cached:
+                # A custom mask couples the rows of its region, so it must be prefilled in one step.
+                if req.num_tokens - num_cached > self.token_budget:
+                    raise AssertionError("custom-mask request longer than the token budget reached the scheduler")
+                break
+            if not self.kv.allocate(req, num_new, computed):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._emit(out, req, num_new)
+            budget -= num_new
+        return out
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start:start + num_new],
+            start=start,
+            block_table=list(req.block_ids),
+            sample=start + num_new == req.num_tokens,
+            mask=req.mask,
+            params=req.params,
+            generator=req.generator,
+            history=req.token_ids,
+        ))
+        out.num_scheduled_tokens += num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[FinishedStep]:
+        """Advance computed tokens, append sampled tokens, and finish requests that hit a limit."""
+        steps: list[FinishedStep] = []
+        for s in out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(s.token_ids)
+            self.kv.register_full_blocks(req)
+            token = sampled.get(s.request_id)
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+            steps.append(FinishedStep(req, token, reason is not None))
+        return steps
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        if token in req.stop_token_ids:
+            return "stop"
+        if req.num_output_tokens >= req.params.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random-weight models written by the tests themselves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+
+
+def write_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight HF model of the given family (llama, qwen2, qwen3) as safetensors."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    shape = {**TINY_SHAPE, **overrides}
+    if arch == "qwen3":
+        shape.setdefault("head_dim", 32)
+    config = config_cls(**shape, bos_token_id=1, eos_token_id=2, tie_word_embeddings=shape.pop("tie", False)
+                        if "tie" in shape else False)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
