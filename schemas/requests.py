@@ -1,0 +1,128 @@
+"""Request records: one flat envelope per message, tagged by `kind`.
+
+Every request carries `v` (schema version) and `id` (the Kafka key of its
+result). The `kind` tag picks the rest of the fields. Types here only say the
+shape; ranges and limits are checked in `schemas.validation`.
+
+Field names for chat mirror OpenAI chat completions, so a client can pass the
+same arguments it would pass to OpenAI.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from schemas.version import version_field
+
+# An id longer than this cannot be used to key a result; see SchemaError.
+MAX_ID_CHARS = 256
+
+KINDS: tuple[str, ...] = ("chat", "asr", "risk")
+
+# OpenAI's chat roles; "developer" is its newer name for "system".
+ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class _RequestBase(msgspec.Struct, tag_field="kind", frozen=True, omit_defaults=True, kw_only=True):
+    v: int = version_field()
+    id: str
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One chat turn. `role` is one of ROLES."""
+
+    role: str
+    content: str
+
+
+class ChatRequest(_RequestBase, tag="chat", kw_only=True):
+    """A chat completion (topic `infinilm.requests.chat`).
+
+    Defaults follow OpenAI where it has one: temperature 1.0 and top_p 1.0 mean
+    "sample from the model as is". `max_tokens` has no OpenAI default (it runs to
+    the context limit); ours is 256 so a forgotten limit cannot hold a slot for
+    minutes.
+
+    - `temperature`: 0 means greedy; at most 2, as in OpenAI.
+    - `top_k`: -1 (or 0) disables it.
+    - `min_p`: 0 disables it.
+    - `seed`: any 64-bit integer; the same seed gives the same tokens.
+    - `stop`: one string or a list of strings; generation stops before them.
+    - `stream`: also publish token deltas to `infinilm.deltas`.
+    - `deadline_ms`: absolute Unix epoch time in milliseconds (not a duration,
+      not seconds); after it the request fails with `deadline_exceeded`.
+    - `rules`: compliance rules checked on the output; see `Result.compliance`.
+    - `deterministic`: ask for batch-invariant results; None leaves it to the
+      worker's config.
+    - `tenant`: who the request is billed and rate-limited as.
+    - `mask_policy`: the attention-mask policy name the engine should use; None
+      is the model's default (causal).
+    """
+
+    kind: ClassVar[str] = "chat"
+
+    messages: list[Message]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    deadline_ms: int | None = None
+    rules: list[str] = msgspec.field(default_factory=list)
+    deterministic: bool | None = None
+    tenant: str | None = None
+    mask_policy: str | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        """`stop` as a list, whichever of its three forms was sent."""
+        if self.stop is None:
+            return []
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return list(self.stop)
+
+
+class AsrRequest(_RequestBase, tag="asr", kw_only=True):
+    """One chunk of a streaming ASR transcript to post-correct (topic `infinilm.requests.asr`).
+
+    Chunks of a stream share `stream_id` (the Kafka key, so they stay in order)
+    and number themselves with `seq` from 0. `final` marks the last chunk.
+    """
+
+    kind: ClassVar[str] = "asr"
+
+    stream_id: str
+    seq: int
+    text: str
+    final: bool = False
+
+
+class RiskItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One text to score; `id` is unique within its request."""
+
+    id: str
+    text: str
+
+
+class RiskRequest(_RequestBase, tag="risk", kw_only=True):
+    """Score each item against every label (topic `infinilm.requests.risk`).
+
+    `instruction` replaces the default task description given to the model.
+    """
+
+    kind: ClassVar[str] = "risk"
+
+    items: list[RiskItem]
+    labels: list[str]
+    instruction: str | None = None
+
+
+Request = ChatRequest | AsrRequest | RiskRequest

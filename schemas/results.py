@@ -1,0 +1,132 @@
+"""What workers publish: one `Result` per request, and `Delta`s while streaming.
+
+`Result` is one struct for every kind, not a tagged union: an error result
+must be able to echo a `kind` this service does not know (unsupported_kind),
+and clients read one shape from `infinilm.results`. The kind-specific fields
+are optional and omitted from the wire when unset.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.errors import ErrorCode, ErrorInfo
+from schemas.version import version_field
+
+# finish_reason values workers write today. Readers must accept others, so the
+# field is a plain str: a new reason must not break an old client.
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+Status = Literal["ok", "error"]
+
+
+class _Record(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    pass
+
+
+# Usage and Timing always write every field: a JSON client reading
+# `usage.prompt_tokens` should find 0, not a missing key.
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token counts. `cached_tokens` is the part of the prompt served from the prefix cache."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timing(msgspec.Struct, frozen=True, kw_only=True):
+    """Milliseconds: waiting before the first step, to the first token, and end to end."""
+
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class Violation(_Record, kw_only=True):
+    """One compliance rule the chat output broke."""
+
+    rule: str
+    detail: str = ""
+
+
+class Compliance(_Record, kw_only=True):
+    """The outcome of checking a chat output against the request's `rules`."""
+
+    passed: bool
+    violations: list[Violation] = msgspec.field(default_factory=list)
+
+
+class RiskItemResult(_Record, kw_only=True):
+    """Scores for one risk item: label -> probability, and the most likely label."""
+
+    id: str
+    scores: dict[str, float] = msgspec.field(default_factory=dict)
+    label: str | None = None
+
+
+class Result(_Record, kw_only=True):
+    """The one final answer to a request (topic `infinilm.results`, key = request id).
+
+    `status` is "ok" or "error"; when "error", `error` says why and the other
+    fields hold whatever was known. Kind-specific fields, None unless set:
+    asr: `stream_id`, `seq`, `committed_text`; risk: `items`; chat: `compliance`
+    (None when the request had no rules).
+    """
+
+    v: int = version_field()
+    id: str
+    # A str, not a Literal: error results echo kinds we do not serve, or "" when none was readable.
+    kind: str
+    status: Status = "ok"
+    error: ErrorInfo | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    # default_factory of our own types: never omitted, so every result shows usage and timing.
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timing: Timing = msgspec.field(default_factory=Timing)
+    worker: str = ""
+    model: str = ""
+    stream_id: str | None = None
+    seq: int | None = None
+    committed_text: str | None = None
+    items: list[RiskItemResult] | None = None
+    compliance: Compliance | None = None
+
+
+class Delta(_Record, kw_only=True):
+    """A piece of streamed output (topic `infinilm.deltas`, best effort, key = request id).
+
+    `index` counts the deltas of one request from 0, so a client can spot a
+    gap or a duplicate. The last delta has `finished` set and a `finish_reason`.
+    """
+
+    v: int = version_field()
+    id: str
+    index: int
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+def error_result(
+    request_id: str,
+    kind: str | None,
+    code: ErrorCode | str,
+    message: str,
+    *,
+    worker: str = "",
+    model: str = "",
+    timing: Timing | None = None,
+) -> Result:
+    """An error `Result`; `kind` None (unreadable) is written as ""."""
+    return Result(
+        id=request_id,
+        kind=kind or "",
+        status="error",
+        error=ErrorInfo(code=ErrorCode(code).value, message=message),
+        worker=worker,
+        model=model,
+        timing=timing if timing is not None else Timing(),
+    )

@@ -1,0 +1,81 @@
+"""Fixtures for tests that talk to the real local stack (Kafka + Redis).
+
+The session starts the stack once through worker.stack.stack_up, the same code
+path as `infinilm stack up` and CI, and leaves it running afterwards. Every
+test gets its own topics, consumer groups and transactional ids (uuid
+suffixes), so tests never see each other's records or offsets and can run in
+any order, against a broker that other people are using too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from worker.stack import StackConfig, StackStatus, delete_topics, ensure_topics, stack_up
+
+
+@pytest.fixture(scope="session")
+def stack_config() -> StackConfig:
+    """The stack's config; honours INFINILM_STATE_DIR and INFINILM_CACHE_DIR."""
+    return StackConfig()
+
+
+@pytest.fixture(scope="session")
+def local_stack(stack_config: StackConfig, pytestconfig: pytest.Config) -> Iterator[StackStatus]:
+    """Starts (or reuses) Kafka and Redis for the whole session and leaves them running."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+
+    def progress(message: str) -> None:
+        # The first run fetches Kafka with Maven for a minute or two; say so instead of
+        # sitting silent behind pytest's output capture.
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print(f"[stack] {message}", file=sys.stderr, flush=True)
+
+    status = stack_up(stack_config, progress=progress)
+    assert status.up, status
+    yield status
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(local_stack: StackStatus, stack_config: StackConfig) -> str:
+    return stack_config.bootstrap_servers
+
+
+@pytest.fixture(scope="session")
+def redis_url(local_stack: StackStatus, stack_config: StackConfig) -> str:
+    return stack_config.redis_url
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> Callable[[str], str]:
+    """unique_name("group") -> "test.<test name>.group.<8 hex>": a fresh name per call."""
+    test = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:80]
+
+    def make(kind: str) -> str:
+        return f"test.{test}.{kind}.{uuid.uuid4().hex[:8]}"
+
+    return make
+
+
+@pytest.fixture
+def make_topic(
+    stack_config: StackConfig, local_stack: StackStatus, unique_name: Callable[[str], str]
+) -> Iterator[Callable[..., str]]:
+    """make_topic("in", partitions=1) creates a fresh topic (leaders ready) and deletes it after the test."""
+    created: list[str] = []
+
+    def make(kind: str = "topic", partitions: int = 1) -> str:
+        name = unique_name(kind)
+        ensure_topics(stack_config, [name], partitions)
+        created.append(name)
+        return name
+
+    yield make
+    if created:
+        delete_topics(stack_config, created)
