@@ -32,6 +32,9 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        # Reference tests set this to compare logits with another implementation.
+        self.capture_logits = False
+        self.last_logits: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -51,6 +54,8 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float().cpu()
+        if self.capture_logits:
+            self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(sampling)}
         result: SampleResult = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         sampled = {s.request_id: t for s, t in zip(sampling, result.token_ids, strict=True)}
         logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}

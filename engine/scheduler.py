@@ -11,6 +11,7 @@ in the prefix cache, so the recompute is cheap).
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -182,10 +183,8 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
