@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -90,8 +92,9 @@ def test_running_out_of_blocks_preempts_the_newest_request_and_recomputes_it():
     assert bm.usage == 0.0
 
 
-def test_preempted_request_is_resumed_with_prompt_and_output_as_one_prefix():
-    bm = BlockManager(5, BS)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preempted_request_is_resumed_with_prompt_and_output_as_one_prefix(prefix_caching):
+    bm = BlockManager(5, BS, enable_prefix_caching=prefix_caching)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=20)
     a, b = make("a", 7, max_tokens=6), make("b", 7, max_tokens=6, start=50)
     sched.add(a)
@@ -107,11 +110,14 @@ def test_preempted_request_is_resumed_with_prompt_and_output_as_one_prefix():
         was_preempted = was_preempted or "b" in out.preempted_ids
     assert resumed, "b was never preempted and resumed"
     start, tokens, sample = resumed[0]
-    # The recompute covers prompt and earlier output in one prefill (its cached
-    # full blocks are reused, so it may start at a block boundary) and samples.
-    assert start % BS == 0 and len(tokens) > 1 and sample
-    assert tokens == b.token_ids[start:start + len(tokens)]
+    # The recompute runs over prompt and earlier output as one prefix and samples;
+    # with prefix caching its full blocks are reused, so only the tail is computed.
+    assert sample and tokens == b.token_ids[start:start + len(tokens)]
     assert start + len(tokens) > b.num_prompt_tokens
+    if prefix_caching:
+        assert start > 0 and start % BS == 0
+    else:
+        assert start == 0
 
 
 def test_abort_removes_a_waiting_or_running_request():
