@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=512)
 
 
 def write_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
@@ -40,7 +40,29 @@ def write_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             elif name.endswith("bias"):
                 p.normal_(0, 0.02)
     model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path)
     return path
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer without merges: ids 0-2 are specials, then one id per byte."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "chat_template": template}))
 
 
 @pytest.fixture(scope="session")

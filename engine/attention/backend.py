@@ -40,6 +40,14 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
     """`auto` picks the fastest backend that works on the device."""
     from engine.attention.torch_backend import TorchAttentionBackend
 
+    if name == "auto" and device.type == "cpu":
+        from engine.attention.cpu_paged import kernels_available
+
+        name = "cpu_paged" if kernels_available() else "torch"
+    if name == "cpu_paged":
+        from engine.attention.cpu_paged import CpuPagedAttentionBackend
+
+        return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim)
     if name in ("auto", "torch"):
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, cpu_paged")

@@ -1,0 +1,148 @@
+// Paged decode attention for the CPU: one query token per sequence, K/V read
+// straight from the paged cache through the block table (no gather copy).
+// One task per sequence; each token row holds all KV heads, so a task streams
+// its blocks sequentially. Softmax is exact (two passes over the scores).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <cmath>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+static inline void axpy(float p, const float* x, float* y, int64_t n) {
+  Vec pv(p);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) at::vec::fmadd(pv, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < n; ++d) y[d] += p * x[d];
+}
+
+template <typename scalar_t>
+static inline const float* row_as_float(const scalar_t* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) { return src; }
+  else { for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]); return buf; }
+}
+
+template <typename scalar_t>
+void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = kv.size(2), KVH = kv.size(3);
+  const int64_t G = H / KVH, MB = block_tables.size(1);
+  const scalar_t* kbase = kv.data_ptr<scalar_t>();
+  const int64_t kv_half = kv.stride(0), blk_stride = kv.stride(1), tok_stride = kv.stride(2), head_stride = kv.stride(3);
+  const scalar_t* vbase = kbase + kv_half;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(H * D), rowbuf(KVH * D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = sl[b];
+      scores.resize(H * L);
+      const float* qb = qp + b * H * D;
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t blk = bt[b * MB + t / BS];
+        const float* kr = row_as_float<scalar_t>(kbase + blk * blk_stride + (t % BS) * tok_stride, rowbuf.data(), KVH * D);
+        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kr + (h / G) * D, D) * sc;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* sg = scores.data() + h * L;
+        float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
+        at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
+        float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
+        const float inv = 1.f / sum;
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t blk = bt[b * MB + t / BS];
+        const float* vr = row_as_float<scalar_t>(vbase + blk * blk_stride + (t % BS) * tok_stride, rowbuf.data(), KVH * D);
+        for (int64_t h = 0; h < H; ++h) axpy(scores[h * L + t], vr + (h / G) * D, acc.data() + h * D, D);
+      }
+      std::copy(acc.begin(), acc.end(), op + b * H * D);
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale) {
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto out = torch::empty_like(qf);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "paged_decode_attention", [&] {
+    decode_attn_impl<scalar_t>(out, qf, kv, block_tables.contiguous(), seq_lens.contiguous(), scale);
+  });
+  return out.to(q.scalar_type());
+}
+
+// Skinny GEMM for small decode batches: y[m, n] = sum_k x[m, k] * w[n, k].
+// BLAS picks poor paths for 1-8 rows; this streams each weight row once at
+// full memory bandwidth and reuses it from L1 for every input row.
+template <int M>
+static void skinny_rows(const float* x, const float* w, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N,
+                        const float* bias) {
+  constexpr int64_t V = Vec::size();
+  constexpr int U = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // independent chains per row, to hide FMA latency
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    Vec acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + U * V <= K; k += U * V) {
+      for (int u = 0; u < U; ++u) {
+        Vec wv = Vec::loadu(wr + k + u * V);
+        for (int m = 0; m < M; ++m) acc[m][u] = at::vec::fmadd(Vec::loadu(x + m * K + k + u * V), wv, acc[m][u]);
+      }
+    }
+    for (; k + V <= K; k += V) {
+      Vec wv = Vec::loadu(wr + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = at::vec::fmadd(Vec::loadu(x + m * K + k), wv, acc[m][0]);
+    }
+    for (int m = 0; m < M; ++m) {
+      Vec total = acc[m][0];
+      for (int u = 1; u < U; ++u) total = total + acc[m][u];
+      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * wr[kk];
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "skinny_linear is fp32 only");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "skinny_linear takes 1 to 8 rows");
+  auto y = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: skinny_rows<1>(xp, wp, yp, n0, n1, K, N, bp); break;
+      case 2: skinny_rows<2>(xp, wp, yp, n0, n1, K, N, bp); break;
+      case 3: skinny_rows<3>(xp, wp, yp, n0, n1, K, N, bp); break;
+      case 4: skinny_rows<4>(xp, wp, yp, n0, n1, K, N, bp); break;
+      case 5: skinny_rows<5>(xp, wp, yp, n0, n1, K, N, bp); break;
+      case 6: skinny_rows<6>(xp, wp, yp, n0, n1, K, N, bp); break;
+      case 7: skinny_rows<7>(xp, wp, yp, n0, n1, K, N, bp); break;
+      default: skinny_rows<8>(xp, wp, yp, n0, n1, K, N, bp); break;
+    }
+  });
+  return y;
+}
