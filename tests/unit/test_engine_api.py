@@ -1,0 +1,133 @@
+"""The offline API on a tiny random model: outputs, errors, stops, seeds, streaming text."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, BlockStored, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=8)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def test_outputs_come_back_in_order_with_text(llm):
+    outs = llm.generate(["hello world", "a", "the quick brown fox"], GREEDY)
+    assert [o.prompt for o in outs] == ["hello world", "a", "the quick brown fox"]
+    for o in outs:
+        assert o.error is None and o.finish_reason == "length" and len(o.token_ids) == 12
+        assert o.text == llm.tokenizer.decode(o.token_ids)
+
+
+def test_token_id_prompts_work_like_text(llm):
+    ids = llm.tokenizer.encode("hello world")
+    a, b = llm.generate([ids, "hello world"], GREEDY)
+    assert a.token_ids == b.token_ids
+
+
+def test_bad_requests_fail_alone(llm):
+    too_long = list(range(3, 3 + 200))
+    outs = llm.generate([too_long, [5, 6, 7], [999999], [], "fine"],
+                        [GREEDY, SamplingParams(max_tokens=3, temperature=0), GREEDY, GREEDY, GREEDY])
+    assert outs[0].error.code == "prompt_too_long" and outs[0].finish_reason == "error"
+    assert outs[1].error is None and len(outs[1].token_ids) == 3
+    assert outs[2].error.code == "invalid_request"
+    assert outs[3].error.code == "invalid_request"
+    assert outs[4].error is None and len(outs[4].token_ids) == 12
+
+
+def test_stop_string_cuts_the_text_and_streaming_never_leaks_it(llm):
+    free = llm.generate(["stop test"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    stop = free.text[8:11]
+    assert len(stop) == 3
+    engine = llm.engine
+    engine.add_request("s", "stop test", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out
+    assert final.finish_reason == "stop"
+    assert final.text == free.text[: free.text.index(stop)]
+    assert "".join(pieces) == final.text
+
+
+def test_stop_token_ids_end_generation(llm):
+    free = llm.generate(["tokens"], GREEDY)[0]
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(["tokens"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+
+
+def test_streamed_text_adds_up_to_the_final_text(llm):
+    engine = llm.engine
+    engine.add_request("stream", "stream me", SamplingParams(max_tokens=20, temperature=0.8, seed=3))
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out
+    assert "".join(pieces) == final.text
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch(llm):
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=42)
+    alone = llm.generate(["seeded"], seeded)[0]
+    mixed = llm.generate(["other one", "seeded", "x"],
+                         [SamplingParams(max_tokens=5, temperature=1.0), seeded, GREEDY])[1]
+    assert alone.token_ids == mixed.token_ids
+    different = llm.generate(["seeded"], SamplingParams(max_tokens=10, temperature=1.0, seed=43))[0]
+    assert different.token_ids != alone.token_ids
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
+    expected = llm.tokenizer.encode("<s>user: hi</s><s>assistant: ", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+
+
+def test_prefix_cache_reports_cached_tokens_and_kv_events(llm):
+    prompt = "a shared system prompt that is long enough to fill several blocks"
+    llm.engine.take_kv_events()
+    first = llm.generate([prompt], GREEDY)[0]
+    events = llm.engine.take_kv_events()
+    assert any(isinstance(e, BlockStored) for e in events)
+    second = llm.generate([prompt], GREEDY)[0]
+    assert first.error is None
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= len(first.prompt_token_ids) - 8
+    assert second.token_ids == first.token_ids
+
+
+def test_abort_finishes_the_request(llm):
+    engine = llm.engine
+    engine.add_request("to-abort", "abort me", SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    assert engine.abort_request("to-abort")
+    outs = engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == "to-abort"] == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.usage == 0.0
+
+
+def test_duplicate_request_id_is_refused(llm):
+    from engine.errors import InvalidRequestError
+
+    engine = llm.engine
+    engine.add_request("dup", "x", GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("dup", "y", GREEDY)
+    engine.abort_request("dup")
+    engine.step()
+
+
+def test_unknown_engine_option_is_a_clear_error(tiny_llama):
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="unknown engine option"):
+        LLM(model=str(tiny_llama), max_num_seq=3)
