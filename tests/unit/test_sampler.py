@@ -66,7 +66,7 @@ def test_same_seed_same_tokens_whatever_the_batch():
     others = [torch.Generator().manual_seed(i) for i in range(4)]
     for _ in range(10):
         params = [SamplingParams(temperature=0.5)] * 2 + [target] + [SamplingParams(temperature=0)] * 2
-        gens = others[:2] + [gen] + others[2:]
+        gens = [*others[:2], gen, *others[2:]]
         batched.append(sample(logits.clone(), params, gens).token_ids[2])
     assert alone == batched
 
