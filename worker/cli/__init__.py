@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 # Modules under worker/cli/ that define `register(app: typer.Typer) -> None`.
-_COMMAND_MODULES = ("model", "generate", "stack", "worker", "client", "demo", "quantize", "evaluate")
+_COMMAND_MODULES = ("model", "generate", "stack", "worker", "client", "demo", "quantize", "evaluate", "config")
 
 
 def _register_all() -> None:

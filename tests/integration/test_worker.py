@@ -1,0 +1,208 @@
+"""The worker end to end against the real Kafka and Redis of the local stack.
+
+Results are read the way clients must read them: read_committed, from the end
+offsets taken before the requests were sent. "Exactly once" is checked by
+reading on past the last expected result and counting every id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from schemas import ChatRequest, Message, decode_dead_letter, decode_result
+from tests.integration.worker_harness import WorkerProcess, make_topics, write_config
+from worker.client import RequestProducer, TopicReader, collect_results
+
+pytestmark = pytest.mark.integration
+
+
+def chat(rid: str, text: str = "hello there", max_tokens: int = 8, **kw) -> ChatRequest:
+    return ChatRequest(id=rid, messages=[Message(role="user", content=text)], max_tokens=max_tokens,
+                       temperature=0.0, **kw)
+
+
+async def send_and_collect(bootstrap, topics, sends, expect_ids, timeout=120.0, linger=3.0, topic_role="results"):
+    """Send (topic, payload, fmt[, key]) tuples; return {id: [results]} read until all arrive plus `linger` s."""
+    async with TopicReader(bootstrap, getattr(topics, topic_role)) as reader:
+        async with RequestProducer(bootstrap) as producer:
+            for send in sends:
+                await producer.send(*send)
+        got = await collect_results(reader, expect_ids, timeout)
+        # Keep reading a little to catch duplicates that arrive after the last first copy.
+        extra = await collect_results(reader, expect_ids, linger)
+    for rid, results in extra.items():
+        got.setdefault(rid, []).extend(results)
+    return got
+
+
+@pytest.fixture
+def worker_setup(tmp_path, make_topic, unique_name, kafka_bootstrap, redis_url, tiny_llama):
+    topics = make_topics(make_topic)
+    group = unique_name("group")
+    workers: list[WorkerProcess] = []
+
+    def start(worker_id: str = "w1", model: str | None = None, **sections) -> WorkerProcess:
+        cfg = write_config(tmp_path / f"{worker_id}.yaml", model=model or str(tiny_llama), topics=topics,
+                           group=group, bootstrap=kafka_bootstrap, redis_url=redis_url, **sections)
+        w = WorkerProcess(cfg, worker_id, tmp_path / f"{worker_id}.log").start()
+        workers.append(w)
+        return w
+
+    yield topics, start
+    for w in workers:
+        w.stop()
+
+
+def test_mixed_json_and_msgpack_requests_get_exactly_one_result_each(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start()
+    w.wait_ready()
+    reqs = [chat(f"r{i}", f"question number {i}") for i in range(40)]
+    sends = [(topics.chat, r, "json" if i % 2 else "msgpack") for i, r in enumerate(reqs)]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, [r.id for r in reqs]))
+    assert sorted(got) == sorted(r.id for r in reqs)
+    assert all(len(v) == 1 for v in got.values()), {k: len(v) for k, v in got.items() if len(v) != 1}
+    assert all(v[0].status == "ok" and v[0].usage.completion_tokens > 0 for v in got.values())
+    assert all(v[0].worker == "w1" for v in got.values())
+    metrics = w.metrics()
+    assert 'infinilm_requests_total{kind="chat",status="ok"} 40.0' in metrics
+
+
+def test_bad_input_gets_an_error_result_or_a_dlq_record_and_the_worker_keeps_serving(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start(kafka={"max_message_bytes": 65536}, model=None)
+    w.wait_ready()
+    too_long = chat("too-long", "x" * 600)  # the tiny model has 512 positions; one token per byte
+    sends = [
+        (topics.chat, b"\x00\x01garbage that is not json or msgpack", "raw", "g1"),
+        (topics.chat, b'{"id": "wrong-types", "kind": "chat", "messages": "not a list"}', "json"),
+        (topics.chat, b'{"id": "missing-fields", "kind": "chat"}', "json"),
+        (topics.chat, b'{"id": "bad-value", "kind": "chat", "messages": [{"role": "user", "content": "hi"}], '
+                      b'"max_tokens": -5}', "json"),
+        (topics.chat, b'{"id": "unknown-kind", "kind": "translate", "text": "hola"}', "json"),
+        (topics.chat, b'{"id": "oversized", "kind": "chat", "messages": [{"role": "user", "content": "'
+                      + b"y" * 70000 + b'"}]}', "json"),
+        (topics.chat, too_long, "json"),
+        (topics.chat, chat("still-fine"), "msgpack"),
+    ]
+    expect = ["wrong-types", "missing-fields", "bad-value", "unknown-kind", "too-long", "still-fine"]
+
+    async def run():
+        async with TopicReader(kafka_bootstrap, topics.dlq) as dlq:
+            got = await send_and_collect(kafka_bootstrap, topics, sends, expect)
+            letters = [rec async for rec in dlq.records(5.0)]
+        return got, letters
+
+    got, letters = asyncio.run(run())
+    codes = {rid: (res[0].status, res[0].error.code if res[0].error else None) for rid, res in got.items()}
+    assert codes == {
+        "wrong-types": ("error", "bad_request"),
+        "missing-fields": ("error", "bad_request"),
+        "bad-value": ("error", "invalid_request"),
+        "unknown-kind": ("error", "unsupported_kind"),
+        "too-long": ("error", "prompt_too_long"),
+        "still-fine": ("ok", None),
+    }
+    assert all(len(v) == 1 for v in got.values())
+    dead = [decode_dead_letter(r.value) for r in letters]
+    assert sorted(d.reason.code for d in dead) == ["bad_request", "bad_request"]
+    assert sorted(d.payload[:12] for d in dead) == [b"\x00\x01garbage th", b'{"id": "over']
+    assert max(len(d.payload) for d in dead) > 65536  # the oversized record is kept whole
+    assert all(d.topic == topics.chat for d in dead)
+    assert w.proc.poll() is None, "the worker died"
+
+
+@pytest.mark.slow
+def test_sigkill_one_of_two_workers_loses_nothing_and_duplicates_nothing(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w1, w2 = start("w1"), start("w2")
+    w1.wait_ready(assigned=False)
+    w2.wait_ready(assigned=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # both members hold partitions
+        if all((w.ready() or {}).get("assigned_partitions", 0) > 0 for w in (w1, w2)):
+            break
+        time.sleep(0.5)
+    reqs = [chat(f"k{i}", f"tell me about number {i}", max_tokens=48) for i in range(90)]
+
+    async def run():
+        async with TopicReader(kafka_bootstrap, topics.results) as reader:
+            async with RequestProducer(kafka_bootstrap) as producer:
+                for r in reqs:
+                    await producer.send(topics.chat, r, "msgpack")
+            # Kill w1 as soon as it has published anything: it is mid-batch then.
+            seen: dict = {}
+            async for rec in reader.records(120):
+                res = decode_result(rec.value)
+                seen.setdefault(res.id, []).append(res)
+                if res.worker == "w1":
+                    break
+            w1.signal(signal.SIGKILL)
+            rest = await collect_results(reader, [r.id for r in reqs if r.id not in seen], timeout_s=120)
+            tail = await collect_results(reader, [r.id for r in reqs], timeout_s=4)
+            for d in (rest, tail):
+                for rid, results in d.items():
+                    seen.setdefault(rid, []).extend(results)
+            return seen
+
+    seen = asyncio.run(run())
+    missing = sorted(r.id for r in reqs if r.id not in seen)
+    dupes = {rid: len(v) for rid, v in seen.items() if len(v) > 1}
+    assert not missing, f"lost: {missing}"
+    assert not dupes, f"duplicated: {dupes}"
+    assert any(v[0].worker == "w2" for v in seen.values())
+
+
+@pytest.mark.slow
+def test_generation_longer_than_max_poll_interval_causes_no_rebalance(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    # max_poll_interval 6 s; SmolLM2 on two cores needs well over that for 250 tokens.
+    w = start(model="smollm2", kafka={"max_poll_interval_ms": 6000})
+    w.wait_ready(timeout=300)
+    req = chat("long-one", "Write a long story about a lighthouse keeper.", max_tokens=250)
+    started = time.monotonic()
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.chat, req, "json")], [req.id],
+                                       timeout=240, linger=8))
+    took = time.monotonic() - started
+    assert took > 6, f"the generation took only {took:.1f}s, too short to prove anything"
+    assert len(got.get("long-one", [])) == 1
+    events = [e.get("event") for e in w.log_events()]
+    assert events.count("partitions assigned") == 1, events
+    assert "partitions revoked" not in events
+
+
+def test_results_keep_flowing_while_redis_is_down(worker_setup, kafka_bootstrap, tmp_path):
+    from tests.integration.redis_server import PrivateRedis
+
+    topics, start = worker_setup
+    redis = PrivateRedis(tmp_path / "redis")
+    redis.start()
+    try:
+        w = start(redis={"url": redis.url, "heartbeat_interval_s": 1})
+        w.wait_ready()
+        first = [chat(f"a{i}") for i in range(5)]
+        got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.chat, r, "json") for r in first],
+                                           [r.id for r in first], linger=0.5))
+        assert len(got) == 5
+        redis.stop()
+        second = [chat(f"b{i}") for i in range(5)]
+        got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.chat, r, "json") for r in second],
+                                           [r.id for r in second], linger=0.5))
+        assert sorted(got) == sorted(r.id for r in second)
+        assert all(v[0].status == "ok" for v in got.values())
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (w.ready() or {}).get("redis") != "degraded":
+            time.sleep(0.5)
+        assert w.ready()["redis"] == "degraded"
+        assert "infinilm_redis_up 0.0" in w.metrics()
+        redis.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (w.ready() or {}).get("redis") != "ok":
+            time.sleep(0.5)
+        assert w.ready()["redis"] == "ok"
+    finally:
+        redis.stop()

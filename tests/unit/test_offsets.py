@@ -1,0 +1,71 @@
+"""Offsets are released only as a contiguous done prefix, with their outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.offsets import OutRecord, PartitionTracker
+
+
+def rec(n: int) -> OutRecord:
+    return OutRecord("results", str(n).encode(), b"v%d" % n)
+
+
+def test_out_of_order_completion_waits_for_the_prefix():
+    t = PartitionTracker("in", 0)
+    for off in (10, 11, 12):
+        t.register(off)
+    t.complete(12, [rec(12)])
+    assert t.release() is None
+    t.complete(10, [rec(10)])
+    r = t.release()
+    assert (r.commit_offset, [x.key for x in r.records], r.offsets) == (11, [b"10"], [10])
+    t.complete(11, [rec(11)])
+    r = t.release()
+    assert (r.commit_offset, [x.key for x in r.records]) == (13, [b"11", b"12"])
+    assert t.in_flight == 0 and t.release() is None
+
+
+def test_restore_after_failed_publish_retries_the_same_records():
+    t = PartitionTracker("in", 0)
+    for off in (0, 1):
+        t.register(off)
+        t.complete(off, [rec(off)])
+    r = t.release()
+    t.restore(r)
+    again = t.release()
+    assert again.commit_offset == 2 and [x.key for x in again.records] == [b"0", b"1"]
+    assert again.offsets == [0, 1]
+
+
+def test_misuse_is_loud():
+    t = PartitionTracker("in", 3)
+    t.register(5)
+    with pytest.raises(ValueError):
+        t.register(4)
+    with pytest.raises(KeyError):
+        t.complete(6, [])
+    t.complete(5, [])
+    with pytest.raises(ValueError):
+        t.complete(5, [])
+
+
+def test_unfinished_offsets_and_in_flight():
+    t = PartitionTracker("in", 0)
+    for off in range(5):
+        t.register(off)
+    t.complete(0, [])
+    t.complete(3, [])
+    t.release()
+    assert t.unfinished_offsets() == [1, 2, 4]
+    assert t.in_flight == 4
+
+
+def test_many_releases_keep_order_compact():
+    t = PartitionTracker("in", 0)
+    for off in range(3000):
+        t.register(off)
+        t.complete(off, [rec(off)])
+        r = t.release()
+        assert r.commit_offset == off + 1
+    assert t.in_flight == 0

@@ -1,0 +1,113 @@
+"""Client side of the topics: produce requests, collect committed results.
+
+Used by the CLI (`produce`, `consume`, `demo`), the end-to-end benchmark and
+the integration tests, so all of them read results the way users must: with
+isolation_level=read_committed, starting from the end offsets taken before
+the requests were sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode
+
+CONTENT_TYPES = {"json": b"application/json", "msgpack": b"application/msgpack"}
+
+
+class RequestProducer:
+    def __init__(self, bootstrap_servers: str, **kwargs) -> None:
+        self._producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **kwargs)
+
+    async def __aenter__(self) -> RequestProducer:
+        await self._producer.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._producer.stop()
+
+    async def send(self, topic: str, request, fmt: str = "msgpack", key: str | None = None) -> None:
+        """Send a request struct (or raw bytes, for tests of bad input)."""
+        value = request if isinstance(request, bytes) else encode(request, fmt)
+        rid = key if key is not None else getattr(request, "stream_id", None) or getattr(request, "id", None)
+        await self._producer.send(topic, value, key=rid.encode() if rid else None,
+                                  headers=[("content-type", CONTENT_TYPES[fmt])] if fmt in CONTENT_TYPES else [])
+
+    async def flush(self) -> None:
+        await self._producer.flush()
+
+
+class TopicReader:
+    """Reads a topic from the offsets it had when the reader was started."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, *, from_beginning: bool = False, **kwargs) -> None:
+        self.topic = topic
+        self._from_beginning = from_beginning
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, isolation_level="read_committed",
+                                          enable_auto_commit=False, **kwargs)
+
+    async def __aenter__(self) -> TopicReader:
+        await self._consumer.start()
+        partitions = None
+        for _ in range(50):
+            # An unassigned consumer's own metadata lacks the topic, and aiokafka has no
+            # public per-topic lookup, so read a fresh full snapshot.
+            cluster = await self._consumer._client.fetch_all_metadata()
+            partitions = cluster.partitions_for_topic(self.topic)
+            if partitions:
+                break
+            await asyncio.sleep(0.1)
+        if not partitions:
+            await self._consumer.stop()
+            raise RuntimeError(f"topic {self.topic!r} does not exist (run `infinilm stack up` to create topics)")
+        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        self._consumer.assign(tps)
+        if self._from_beginning:
+            await self._consumer.seek_to_beginning(*tps)
+        else:
+            ends = await self._consumer.end_offsets(tps)
+            for tp, off in ends.items():
+                self._consumer.seek(tp, off)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._consumer.stop()
+
+    async def records(self, timeout_s: float):
+        """Yield raw records until `timeout_s` passes without a new one... or forever if None."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:
+            batch = await self._consumer.getmany(timeout_ms=200)
+            for recs in batch.values():
+                for rec in recs:
+                    yield rec
+
+
+async def collect_results(reader: TopicReader, ids: Iterable[str], timeout_s: float,
+                          on_result=None) -> dict[str, list[Result]]:
+    """Read results until every id has one (or the timeout); duplicates are kept, to be counted."""
+    wanted = set(ids)
+    got: dict[str, list[Result]] = {}
+    deadline = time.monotonic() + timeout_s
+    async for rec in reader.records(timeout_s):
+        try:
+            result = decode_result(rec.value)
+        except SchemaError:
+            continue
+        if result.id in wanted:
+            got.setdefault(result.id, []).append(result)
+            if on_result:
+                on_result(result)
+        if wanted <= set(got) or time.monotonic() > deadline:
+            break
+    return got
+
+
+def decode_any(topic_role: str, value: bytes) -> Result | Delta | object:
+    if topic_role == "deltas":
+        return decode_delta(value)
+    return decode_result(value)

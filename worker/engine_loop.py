@@ -1,0 +1,137 @@
+"""The engine on its own thread, so the asyncio side never waits on compute.
+
+The asyncio side submits jobs and aborts through a thread-safe queue; the
+thread steps the engine while it has work and hands each step's outputs,
+stats and KV events back through `deliver` (which must be thread-safe, e.g.
+`loop.call_soon_threadsafe`). The thread never touches Kafka or Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine import EngineCore, EngineStats, MaskSpec, RequestError, RequestOutput, SamplingParams
+from engine.attention.metadata import CAUSAL
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    mask: MaskSpec = CAUSAL
+    arrival_time: float | None = None
+
+
+@dataclass
+class EngineEvent:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    errors: list[tuple[str, RequestError]] = field(default_factory=list)
+    stats: EngineStats | None = None
+    kv_events: list = field(default_factory=list)
+    stall_s: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, deliver: Callable[[EngineEvent], None], idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._deliver = deliver
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.running = 0
+        self.waiting = 0
+        self.failed: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, jobs: list[EngineJob]) -> None:
+        if jobs:
+            self._commands.put(("add", jobs))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._commands.put(("abort", request_ids))
+
+    def _run(self) -> None:
+        engine = self.engine
+        last_step_end = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                busy = engine.has_unfinished_requests()
+                # Block only when idle; while busy, just pick up whatever has arrived.
+                errors, work_arrived = self._drain(block=not busy)
+                now = time.perf_counter()
+                if not busy:
+                    last_step_end = max(last_step_end, work_arrived or now)
+                if not engine.has_unfinished_requests():
+                    if errors:
+                        self._deliver(EngineEvent(errors=errors))
+                    continue
+                stall = max(0.0, now - last_step_end)
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug must fail requests, not the worker
+                    log.exception("engine step failed")
+                    outputs = self._fail_all(exc)
+                last_step_end = time.perf_counter()
+                stats = engine.last_stats
+                self.running, self.waiting = stats.num_running, stats.num_waiting
+                self._deliver(EngineEvent(outputs, errors, stats, engine.take_kv_events(), stall))
+        except BaseException as exc:  # pragma: no cover - reported through `failed`
+            self.failed = exc
+            log.exception("engine thread died")
+            raise
+
+    def _drain(self, block: bool) -> tuple[list[tuple[str, RequestError]], float | None]:
+        errors: list[tuple[str, RequestError]] = []
+        arrived: float | None = None
+        try:
+            cmd = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return errors, None
+        while True:
+            kind, payload = cmd
+            if kind == "add":
+                arrived = arrived or time.perf_counter()
+                for job in payload:
+                    try:
+                        self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, mask=job.mask,
+                                                arrival_time=job.arrival_time)
+                    except RequestError as exc:
+                        errors.append((job.request_id, exc))
+            elif kind == "abort":
+                for rid in payload:
+                    self.engine.abort_request(rid)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return errors, arrived
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        err = RequestError(f"internal engine error: {exc!r}", code="internal")
+        outs: list[RequestOutput] = []
+        for rid in list(self.engine.scheduler.requests):
+            req = self.engine.scheduler.requests[rid]
+            self.engine.scheduler.finish(req, "error")
+            out = self.engine.output_processor.finish_without_token(req, "error", err)
+            outs.append(out)
+        return outs

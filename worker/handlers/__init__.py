@@ -1,0 +1,53 @@
+"""Task handlers: turn a decoded request into engine work and engine outputs into a Result.
+
+A handler never talks to Kafka. It may use Redis state through the context
+(the ASR handler does). The service owns ids, offsets, deltas and publishing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine import MaskSpec, RequestOutput, SamplingParams
+from engine.attention.metadata import CAUSAL
+from schemas import Result
+
+
+@dataclass
+class Work:
+    """One engine request a handler asks for."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    mask: MaskSpec = CAUSAL
+    stream: bool = False  # publish this job's text deltas
+
+
+@dataclass
+class Prepared:
+    work: list[Work] = field(default_factory=list)
+    result: Result | None = None  # an immediate answer (usually an error); then `work` is empty
+    state: Any = None  # handler-private, handed back to finish()
+
+
+class Handler(Protocol):
+    kind: str
+
+    async def prepare(self, request: Any, ctx: HandlerContext) -> Prepared: ...
+
+    async def finish(self, request: Any, prepared: Prepared, outputs: list[RequestOutput],
+                     ctx: HandlerContext) -> Result: ...
+
+
+@dataclass
+class HandlerContext:
+    """What handlers may use: the tokenizer, limits, config, shared state."""
+
+    tokenizer: Any
+    max_model_len: int
+    worker_id: str
+    model_name: str
+    config: Any
+    redis: Any = None
+    metrics: Any = None

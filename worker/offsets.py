@@ -1,0 +1,98 @@
+"""Per-partition bookkeeping of consumed offsets and their finished outputs.
+
+NOTE: an offset may be committed only together with (or after) the outputs of
+every record before it. Requests finish out of order, so each partition keeps
+its finished outputs until the contiguous prefix is done; then the outputs of
+that prefix and the offset after it are released as one unit, which the
+publisher writes in one Kafka transaction. A crash before the commit
+redelivers exactly the records whose outputs were not committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OutRecord:
+    """One record to produce: topic, key, value and headers."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+@dataclass
+class Release:
+    """Outputs ready to publish for one partition and the offset to commit with them."""
+
+    topic: str
+    partition: int
+    records: list[OutRecord]
+    commit_offset: int  # the next offset to consume, as Kafka expects
+    offsets: list[int] = field(default_factory=list)
+
+
+class PartitionTracker:
+    """Tracks one input partition. Offsets are registered in consumption order."""
+
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self._pending: dict[int, list[OutRecord] | None] = {}  # offset -> outputs when done
+        self._order: list[int] = []  # registered offsets, ascending
+        self._head = 0  # index into _order of the first offset not yet released
+        self.committed: int | None = None  # last commit_offset handed out
+
+    def register(self, offset: int) -> None:
+        if self._order and offset <= self._order[-1]:
+            raise ValueError(f"{self.topic}[{self.partition}]: offset {offset} registered out of order")
+        self._pending[offset] = None
+        self._order.append(offset)
+
+    def complete(self, offset: int, records: Iterable[OutRecord]) -> None:
+        if offset not in self._pending:
+            raise KeyError(f"{self.topic}[{self.partition}]: offset {offset} was never registered")
+        if self._pending[offset] is not None:
+            raise ValueError(f"{self.topic}[{self.partition}]: offset {offset} completed twice")
+        self._pending[offset] = list(records)
+
+    def release(self) -> Release | None:
+        """Take the outputs of the longest done prefix; None when nothing new is done."""
+        records: list[OutRecord] = []
+        offsets: list[int] = []
+        i = self._head
+        while i < len(self._order) and self._pending[self._order[i]] is not None:
+            off = self._order[i]
+            records.extend(self._pending.pop(off))
+            offsets.append(off)
+            i += 1
+        if not offsets:
+            return None
+        self._head = i
+        if self._head > 1024:  # keep the list short without shifting on every release
+            self._order = self._order[self._head:]
+            self._head = 0
+        commit = offsets[-1] + 1
+        return Release(self.topic, self.partition, records, commit, offsets)
+
+    def mark_committed(self, release: Release) -> None:
+        self.committed = release.commit_offset
+
+    def restore(self, release: Release) -> None:
+        """Put a release back after a failed publish, so the next flush retries it."""
+        self._head -= len(release.offsets)
+        for off in release.offsets:
+            self._pending[off] = []
+        # All the records go back on the first offset: they are published together anyway.
+        self._pending[release.offsets[0]] = list(release.records)
+
+    @property
+    def in_flight(self) -> int:
+        """Registered offsets not yet released."""
+        return len(self._order) - self._head
+
+    def unfinished_offsets(self) -> list[int]:
+        return [o for o in self._order[self._head:] if self._pending.get(o) is None]

@@ -1,0 +1,600 @@
+"""The worker: Kafka in, micro-batches to the engine thread, results out exactly once.
+
+Tasks on the event loop:
+- consume: poll, decode, hand requests to their handler, feed the batcher;
+  pause every partition while too much is in flight, and keep polling;
+- batch timer: flush buckets whose window is over;
+- outputs: engine events -> deltas, results, metrics, KV events;
+- flush: every flush interval, publish each partition's finished prefix with
+  its offset (one transaction per partition);
+- housekeeping: consumer lag.
+The engine runs on its own thread (worker.engine_loop); nothing here waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+
+from engine import EngineCore, RequestError, RequestOutput
+from schemas import (
+    DeadLetter,
+    Delta,
+    ErrorCode,
+    ErrorInfo,
+    Result,
+    SchemaError,
+    Timing,
+    content_type_of,
+    decode_request,
+    encode,
+    error_result,
+    format_for_content_type,
+    sniff_format,
+)
+from worker.batcher import Batch, BatchItem, make_batcher
+from worker.engine_loop import EngineEvent, EngineJob, EngineLoop
+from worker.handlers import Handler, HandlerContext, Prepared
+from worker.handlers.chat import ChatHandler
+from worker.http import HealthServer
+from worker.kafka_clients import client_kwargs
+from worker.metrics import WorkerMetrics
+from worker.offsets import OutRecord, PartitionTracker
+from worker.publisher import AtLeastOncePublisher, DeltaPublisher, PartitionLost, TransactionalPublisher
+
+log = structlog.get_logger("infinilm.worker")
+CONTENT_TYPE = {"json": b"application/json", "msgpack": b"application/msgpack"}
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class InFlight:
+    """One consumed request until its result is handed to its partition tracker."""
+
+    tp: TopicPartition
+    offset: int
+    request: Any
+    handler: Handler
+    prepared: Prepared
+    fmt: str
+    consumed_at: float
+    outputs: list[RequestOutput | None]
+    engine_ids: list[str]
+    stream: list[bool]
+    delta_index: int = 0
+    submitted_at: float | None = None
+    done: bool = False
+    job_error: RequestError | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, config, worker_id: str | None = None, *, registry=None, engine: EngineCore | None = None) -> None:
+        self.config = config
+        self.worker_id = worker_id or config.worker.id or default_worker_id()
+        self.metrics = WorkerMetrics(registry)
+        self.engine = engine or EngineCore(config.engine_config())
+        self.model_name = config.model.name
+        self.metrics.set_worker_info(self.worker_id, self.model_name, _version())
+        self.handlers: dict[str, Handler] = {"chat": ChatHandler()}
+        self.topics = config.topics
+        self._kind_topics = config.topics.request_topics
+        self._topic_kinds = {topic: kind for kind, topic in self._kind_topics.items()}
+        self.ctx = HandlerContext(
+            tokenizer=self.engine.tokenizer, max_model_len=self.engine.max_model_len, worker_id=self.worker_id,
+            model_name=self.model_name, config=config, metrics=self.metrics,
+        )
+        self.batcher = make_batcher(
+            config.execution.batcher, max_seq_len=self.engine.max_model_len,
+            max_batch_size=config.execution.max_batch_size, batch_timeout_s=config.execution.batch_timeout,
+            num_buckets=config.execution.num_buckets,
+        ) if config.execution.batcher == "dynamic_bucket" else make_batcher(
+            "fifo", max_batch_size=config.execution.max_batch_size, batch_timeout_s=config.execution.batch_timeout)
+        self.trackers: dict[TopicPartition, PartitionTracker] = {}
+        self.inflight: dict[str, InFlight] = {}  # engine id -> request
+        self.redis = None
+        self._events: asyncio.Queue[EngineEvent] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = asyncio.Event()
+        self._batch_wakeup = asyncio.Event()
+        self._paused = False
+        self._started = False
+        self.consumer: AIOKafkaConsumer | None = None
+        self.publisher = None
+        self.deltas: DeltaPublisher | None = None
+        self.engine_loop: EngineLoop | None = None
+        self.http: HealthServer | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------
+    async def run(self) -> None:
+        """Start, serve until stop() (or SIGTERM via the CLI), then shut down cleanly."""
+        await self.start()
+        try:
+            await self._stopping.wait()
+        finally:
+            await self.shutdown()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def start(self) -> None:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._events = asyncio.Queue()
+        self.engine_loop = EngineLoop(self.engine, lambda ev: self._loop.call_soon_threadsafe(self._events.put_nowait, ev))
+        self.engine_loop.start()
+        if cfg.metrics.enabled:
+            self.http = HealthServer(cfg.metrics.host, cfg.metrics.port, self.metrics.registry, self._health, self._ready)
+            self.http.start()
+        await self._start_redis()
+        kwargs = client_kwargs(cfg.kafka, client_id=self.worker_id)
+        self.deltas = DeltaPublisher(kwargs, on_error=lambda: None)
+        await self.deltas.start()
+        self.consumer = AIOKafkaConsumer(
+            **kwargs,
+            group_id=cfg.kafka.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            max_poll_interval_ms=cfg.kafka.max_poll_interval_ms,
+            session_timeout_ms=cfg.kafka.session_timeout_ms,
+            heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
+            max_partition_fetch_bytes=max(cfg.kafka.max_message_bytes * 2, 1 << 20),
+            fetch_max_bytes=max(cfg.kafka.max_message_bytes * 4, 50 << 20),
+        )
+        if cfg.kafka.delivery == "exactly_once":
+            self.publisher = TransactionalPublisher(kwargs, cfg.kafka.group_id, cfg.kafka.transactional_id_prefix,
+                                                    cfg.kafka.transaction_timeout_ms, self.metrics.inc_kafka_transaction)
+        else:
+            self.publisher = AtLeastOncePublisher(kwargs, self._commit_offsets, self.metrics.inc_kafka_transaction)
+            await self.publisher.start()
+        self.consumer.subscribe(list(self._kind_topics.values()), listener=_Rebalance(self))
+        await self.consumer.start()
+        self._started = True
+        self._tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+            ("consume", self._consume_loop()),
+            ("batch-timer", self._batch_timer_loop()),
+            ("outputs", self._output_loop()),
+            ("flush", self._flush_loop()),
+            ("housekeeping", self._housekeeping_loop()),
+        )]
+        log.info("worker started", model=self.model_name, topics=list(self._kind_topics.values()),
+                 delivery=cfg.kafka.delivery, metrics_port=self.http.port if self.http else None)
+
+    async def _start_redis(self) -> None:
+        from worker.redis_state import RedisState
+
+        rc = self.config.redis
+        self.redis = RedisState(
+            rc.url, worker_id=self.worker_id, model=self.model_name, key_prefix=rc.key_prefix,
+            index_ttl_s=rc.index_ttl_s, heartbeat_interval_s=rc.heartbeat_interval_s,
+            stream_state_ttl_s=rc.stream_state_ttl_s, socket_timeout_s=rc.socket_timeout_s,
+            event_buffer=rc.event_buffer, password=rc.password.get() if rc.password else None,
+            username=rc.username, on_error=self.metrics.inc_redis_error,
+            on_health_change=self.metrics.set_redis_up, load_fn=self._load,
+        )
+        self.ctx.redis = self.redis
+        await self.redis.start()
+
+    async def shutdown(self) -> None:
+        """Stop fetching, finish in-flight work (bounded), commit, close."""
+        if not self._started:
+            return
+        self._started = False
+        timeout = self.config.worker.shutdown_timeout_s
+        log.info("shutting down", in_flight=len(self.inflight), timeout_s=timeout)
+        self._stopping.set()
+        consume = next((t for t in self._tasks if t.get_name() == "consume"), None)
+        if consume:
+            consume.cancel()
+            await asyncio.gather(consume, return_exceptions=True)
+        self._submit(self.batcher.drain())
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("aborting unfinished requests; they will be redelivered", count=len(self.inflight))
+            self.engine_loop.abort(list(self.inflight))
+            self.inflight.clear()
+        await self._flush_all()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.consumer.stop()
+        with contextlib.suppress(Exception):
+            await self.publisher.close()
+        with contextlib.suppress(Exception):
+            await self.deltas.close()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.stop()
+        self.engine_loop.stop()
+        if self.http:
+            self.http.stop()
+        log.info("worker stopped")
+
+    # ---- intake ----------------------------------------------------------
+    async def _consume_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                batch = await self.consumer.getmany(timeout_ms=100, max_records=256)
+            except KafkaError as exc:
+                log.warning("poll failed, retrying", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for records in batch.values():
+                for record in records:
+                    await self._intake(record)
+            self._update_pause()
+
+    async def _intake(self, record) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        tracker = self.trackers.get(tp)
+        if tracker is None:
+            return  # revoked while the fetch was in flight; the new owner will see it
+        tracker.register(record.offset)
+        consumed_at = time.monotonic()
+        payload = record.value or b""
+        content_type = content_type_of(record.headers)
+        fmt = format_for_content_type(content_type) or sniff_format(payload) or "msgpack"
+        try:
+            request = decode_request(payload, content_type, max_bytes=self.config.kafka.max_message_bytes)
+        except SchemaError as exc:
+            if exc.request_id is None:
+                self._dead_letter(tp, record, exc.to_error_info())
+            else:
+                self._complete_error(tp, record.offset, exc.request_id, exc.kind, exc.code, exc.message, fmt,
+                                     consumed_at)
+            return
+        handler = self.handlers.get(request.kind)
+        if handler is None:
+            self._complete_error(tp, record.offset, request.id, request.kind, ErrorCode.unsupported_kind,
+                                 f"this worker does not serve kind {request.kind!r} yet", fmt, consumed_at)
+            return
+        if record.topic != self._kind_topics.get(request.kind, record.topic):
+            log.debug("request kind differs from its topic", kind=request.kind, topic=record.topic)
+        try:
+            prepared = await handler.prepare(request, self.ctx)
+        except RequestError as exc:
+            self._complete_error(tp, record.offset, request.id, request.kind, exc.code, exc.message, fmt, consumed_at)
+            return
+        except Exception as exc:
+            log.exception("handler prepare failed", request_id=request.id)
+            self._complete_error(tp, record.offset, request.id, request.kind, ErrorCode.internal,
+                                 f"internal error while preparing: {type(exc).__name__}", fmt, consumed_at)
+            return
+        if prepared.result is not None or not prepared.work:
+            result = prepared.result or await handler.finish(request, prepared, [], self.ctx)
+            self._complete(tp, record.offset, request, result, fmt, consumed_at)
+            return
+        ids = [f"{tp.topic}/{tp.partition}/{record.offset}/{i}" for i in range(len(prepared.work))]
+        fl = InFlight(tp, record.offset, request, handler, prepared, fmt, consumed_at,
+                      [None] * len(ids), ids, [w.stream for w in prepared.work])
+        for engine_id, work in zip(ids, prepared.work, strict=True):
+            self.inflight[engine_id] = fl
+            ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids), work.params.max_tokens,
+                                               payload=work, arrival=consumed_at))
+            self._submit(ready)
+        self._batch_wakeup.set()
+
+    def _submit(self, batches: list[Batch]) -> None:
+        jobs: list[EngineJob] = []
+        now_ms = time.time() * 1000
+        for batch in batches:
+            self.metrics.observe_batch_flush(batch.bucket, batch.padded_tokens - batch.useful_tokens)
+            for item in batch.items:
+                fl = self.inflight.get(item.key)
+                if fl is None or fl.done:
+                    continue  # revoked or already failed
+                deadline = getattr(fl.request, "deadline_ms", None)
+                if deadline is not None and now_ms > deadline:
+                    self._fail_inflight(fl, ErrorCode.deadline_exceeded,
+                                        f"deadline passed {now_ms - deadline:.0f} ms before the request could start")
+                    continue
+                fl.submitted_at = fl.submitted_at or time.monotonic()
+                work = item.payload
+                jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at))
+        self.engine_loop.submit(jobs)
+
+    async def _batch_timer_loop(self) -> None:
+        while not self._stopping.is_set():
+            deadline = self.batcher.next_deadline()
+            wait = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
+            self._batch_wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._batch_wakeup.wait(), timeout=wait)
+            self._submit(self.batcher.poll(time.monotonic()))
+
+    # ---- outputs ---------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            event = await self._events.get()
+            try:
+                await self._on_engine_event(event)
+            except Exception:
+                log.exception("failed to handle engine outputs")
+
+    async def _on_engine_event(self, ev: EngineEvent) -> None:
+        for engine_id, err in ev.errors:
+            fl = self.inflight.get(engine_id)
+            if fl is not None:
+                self._fail_inflight(fl, err.code, err.message)
+        for out in ev.outputs:
+            fl = self.inflight.get(out.request_id)
+            if fl is None or fl.done:
+                continue
+            idx = fl.engine_ids.index(out.request_id)
+            if fl.stream[idx] and (out.new_text or out.finished):
+                await self._send_delta(fl, out)
+            if not out.finished:
+                continue
+            if out.error is not None:
+                self._fail_inflight(fl, out.error.code, out.error.message)
+                continue
+            fl.outputs[idx] = out
+            self.inflight.pop(out.request_id, None)
+            if all(o is not None for o in fl.outputs):
+                try:
+                    result = await fl.handler.finish(fl.request, fl.prepared, fl.outputs, self.ctx)
+                except RequestError as exc:
+                    self._fail_inflight(fl, exc.code, exc.message)
+                    continue
+                except Exception as exc:
+                    log.exception("handler finish failed", request_id=fl.request.id)
+                    self._fail_inflight(fl, ErrorCode.internal, f"internal error while finishing: {type(exc).__name__}")
+                    continue
+                fl.done = True
+                self._complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs)
+        if ev.stats is not None:
+            st = ev.stats
+            self.metrics.observe_step(
+                num_seqs=st.step_num_seqs, num_scheduled_tokens=st.step_num_tokens, token_budget=st.step_token_budget,
+                stall_s=ev.stall_s, kv_cache_usage=st.kv_usage, num_running=st.num_running,
+                num_waiting=st.num_waiting, num_preemptions=st.num_preemptions,
+                prefix_cache_hit_rate=st.prefix_cache_hit_rate,
+            )
+            self._last_stats = st
+        if ev.kv_events and self.redis is not None:
+            await self.redis.publish_kv_events(ev.kv_events)
+        self._update_pause()
+
+    async def _send_delta(self, fl: InFlight, out: RequestOutput) -> None:
+        delta = Delta(id=fl.request.id, index=fl.delta_index, text=out.new_text, finished=out.finished,
+                      finish_reason=out.finish_reason if out.finished else None)
+        fl.delta_index += 1
+        await self.deltas.send(self.topics.deltas, fl.request.id.encode(), encode(delta, fl.fmt),
+                               [("content-type", CONTENT_TYPE[fl.fmt])])
+
+    # ---- completion --------------------------------------------------------
+    def _timing(self, consumed_at: float, outputs: list[RequestOutput] | None) -> Timing:
+        now = time.monotonic()
+        first_sched = min((o.metrics.first_scheduled_time for o in outputs or [] if o and o.metrics
+                           and o.metrics.first_scheduled_time), default=None)
+        first_tok = min((o.metrics.first_token_time for o in outputs or [] if o and o.metrics
+                         and o.metrics.first_token_time), default=None)
+        return Timing(
+            queue_ms=round(((first_sched or now) - consumed_at) * 1000, 3),
+            ttft_ms=round(((first_tok or now) - consumed_at) * 1000, 3),
+            total_ms=round((now - consumed_at) * 1000, 3),
+        )
+
+    def _complete(self, tp, offset, request, result: Result, fmt: str, consumed_at: float,
+                  outputs: list[RequestOutput] | None = None) -> None:
+        import msgspec
+
+        timing = self._timing(consumed_at, outputs)
+        result = msgspec.structs.replace(result, timing=timing, worker=self.worker_id, model=self.model_name)
+        self._publish_result(tp, offset, result, fmt)
+        # Metric labels stay bounded: an unreadable kind counts under its topic's kind.
+        kind = result.kind if result.kind in self._kind_topics else self._topic_kinds.get(tp.topic, "chat")
+        status = "ok" if result.status == "ok" else result.error.code
+        tokens = result.usage
+        e2e = timing.total_ms / 1000
+        tpot = None
+        if outputs and tokens.completion_tokens > 1:
+            tpot = max(0.0, (timing.total_ms - timing.ttft_ms) / 1000 / (tokens.completion_tokens - 1))
+        self.metrics.observe_request_finished(
+            kind, status, tokens.prompt_tokens, tokens.completion_tokens, tokens.cached_tokens,
+            queue_s=timing.queue_ms / 1000 if outputs else None, ttft_s=timing.ttft_ms / 1000 if outputs else None,
+            tpot_s=tpot, e2e_s=e2e,
+        )
+        log.debug("request finished", request_id=result.id, kind=kind, status=status, total_ms=timing.total_ms)
+
+    def _publish_result(self, tp, offset, result: Result, fmt: str) -> None:
+        tracker = self.trackers.get(tp)
+        if tracker is None:
+            return  # partition revoked: the new owner redoes it
+        record = OutRecord(self.topics.results, result.id.encode(), encode(result, fmt),
+                           (("content-type", CONTENT_TYPE[fmt]),))
+        tracker.complete(offset, [record])
+
+    def _complete_error(self, tp, offset, request_id: str, kind, code, message: str, fmt: str,
+                        consumed_at: float) -> None:
+        result = error_result(request_id, kind, code, message)
+        self._complete(tp, offset, None, result, fmt, consumed_at)
+
+    def _fail_inflight(self, fl: InFlight, code, message: str) -> None:
+        if fl.done:
+            return
+        fl.done = True
+        for engine_id in fl.engine_ids:
+            self.inflight.pop(engine_id, None)
+        pending = [eid for eid, out in zip(fl.engine_ids, fl.outputs, strict=True) if out is None]
+        self.engine_loop.abort(pending)
+        self._complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at)
+
+    def _dead_letter(self, tp, record, reason: ErrorInfo) -> None:
+        tracker = self.trackers.get(tp)
+        if tracker is None:
+            return
+        letter = DeadLetter(topic=record.topic, partition=record.partition, offset=record.offset,
+                            payload=record.value or b"", reason=reason, ts_ms=int(time.time() * 1000),
+                            key=record.key, headers=[(k, bytes(v or b"")) for k, v in (record.headers or ())],
+                            worker=self.worker_id)
+        tracker.complete(record.offset, [OutRecord(self.topics.dlq, None, encode(letter, "msgpack"),
+                                                   (("content-type", CONTENT_TYPE["msgpack"]),))])
+        self.metrics.inc_dlq(reason.code)
+        log.warning("dead-lettered a record", topic=record.topic, partition=record.partition, offset=record.offset,
+                    reason=reason.code)
+
+    # ---- publishing --------------------------------------------------------
+    async def _flush_loop(self) -> None:
+        interval = self.config.kafka.flush_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            await self._flush_all()
+
+    async def _flush_all(self, only: list[TopicPartition] | None = None) -> None:
+        releases = []
+        for tp, tracker in list(self.trackers.items()):
+            if only is not None and tp not in only:
+                continue
+            release = tracker.release()
+            if release is not None:
+                releases.append((tp, tracker, release))
+        if not releases:
+            return
+        outcomes = await asyncio.gather(*(self.publisher.publish(r) for _, _, r in releases), return_exceptions=True)
+        for (tp, tracker, release), outcome in zip(releases, outcomes, strict=True):
+            if outcome is True:
+                tracker.mark_committed(release)
+            elif isinstance(outcome, PartitionLost):
+                log.warning("partition lost to another worker", partition=str(tp))
+                self._drop_partition(tp)
+            else:
+                if isinstance(outcome, BaseException):
+                    log.warning("publish failed", partition=str(tp), error=repr(outcome))
+                tracker.restore(release)
+        await self.publisher.ensure(list(self.trackers))
+        self._update_pause()
+
+    async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:
+        await self.consumer.commit(offsets)
+
+    def _drop_partition(self, tp: TopicPartition) -> None:
+        self.trackers.pop(tp, None)
+        lost = [eid for eid, fl in self.inflight.items() if fl.tp == tp]
+        for eid in lost:
+            self.inflight[eid].done = True
+            self.inflight.pop(eid, None)
+        self.engine_loop.abort(lost)
+
+    # ---- flow control --------------------------------------------------------
+    def _update_pause(self) -> None:
+        if self.consumer is None or not self._started:
+            return
+        in_flight = sum(t.in_flight for t in self.trackers.values())
+        limit = self.config.worker.max_inflight
+        assigned = list(self.consumer.assignment())
+        if not self._paused and in_flight >= limit:
+            self._paused = True
+            self.consumer.pause(*assigned)
+            log.info("engine full: pausing partitions", in_flight=in_flight)
+        elif self._paused and in_flight < limit * 0.75 and not self._stopping.is_set():
+            self._paused = False
+            self.consumer.resume(*assigned)
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            self.trackers.setdefault(tp, PartitionTracker(tp.topic, tp.partition))
+        await self.publisher.add_partitions(sorted(assigned))
+        if self._paused or self._stopping.is_set():
+            # Pausing is lost on reassignment; keep not fetching while full.
+            self.consumer.pause(*assigned)
+        log.info("partitions assigned", partitions=sorted(str(tp) for tp in assigned))
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        revoked = set(revoked)
+        if not revoked:
+            return
+        await self._flush_all(only=list(revoked))
+        for tp in revoked:
+            self._drop_partition(tp)
+        await self.publisher.remove_partitions(list(revoked))
+        log.info("partitions revoked", partitions=sorted(str(tp) for tp in revoked))
+
+    async def _housekeeping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(5)
+            lags: dict[str, int] = {}
+            for tp in list(self.consumer.assignment()):
+                try:
+                    high = self.consumer.highwater(tp)
+                    pos = await self.consumer.position(tp)
+                except Exception:
+                    continue
+                if high is not None:
+                    lags[tp.topic] = lags.get(tp.topic, 0) + max(0, high - pos)
+            for topic, lag in lags.items():
+                self.metrics.set_consumer_lag(topic, lag)
+            if self.redis is not None:
+                with contextlib.suppress(Exception):
+                    rate = await self.redis.cluster_hit_rate()
+                    if rate is not None:
+                        self.metrics.set_cluster_kv_cache_hit_rate(rate)
+
+    # ---- health --------------------------------------------------------------
+    def _load(self) -> dict:
+        st = getattr(self, "_last_stats", None)
+        bm = self.engine.block_manager
+        return {
+            "running": st.num_running if st else 0,
+            "waiting": st.num_waiting if st else 0,
+            "kv_usage": bm.usage,
+            "hit_rate": bm.hit_rate,
+            "queries": bm.prefix_queries,
+            "hits": bm.prefix_hits,
+        }
+
+    def _health(self) -> tuple[bool, dict]:
+        alive = self.engine_loop is not None and self.engine_loop.alive
+        return alive, {"engine_thread": alive}
+
+    def _ready(self) -> tuple[bool, dict]:
+        alive = self.engine_loop is not None and self.engine_loop.alive
+        assigned = len(self.consumer.assignment()) if self.consumer else 0
+        redis_ok = bool(self.redis and self.redis.healthy)
+        detail = {
+            "engine_thread": alive,
+            "kafka_started": self._started,
+            "assigned_partitions": assigned,
+            "redis": "ok" if redis_ok else "degraded",
+            "in_flight": len(self.inflight),
+            "paused": self._paused,
+        }
+        # Redis down degrades the service but does not make it unready.
+        return alive and self._started, detail
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked):
+        await self.worker.on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned):
+        await self.worker.on_assigned(set(assigned))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("infinilm-stream")
+    except PackageNotFoundError:
+        return "dev"
