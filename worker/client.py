@@ -77,6 +77,11 @@ class TopicReader:
     async def __aexit__(self, *exc) -> None:
         await self._consumer.stop()
 
+    async def poll(self, timeout_ms: int = 200) -> list:
+        """One fetch: the records that arrived, possibly none."""
+        batch = await self._consumer.getmany(timeout_ms=timeout_ms)
+        return [rec for recs in batch.values() for rec in recs]
+
     async def records(self, timeout_s: float):
         """Yield raw records until `timeout_s` passes without a new one... or forever if None."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

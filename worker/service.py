@@ -171,8 +171,20 @@ class Worker:
             ("flush", self._flush_loop()),
             ("housekeeping", self._housekeeping_loop()),
         )]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
         log.info("worker started", model=self.model_name, topics=list(self._kind_topics.values()),
                  delivery=cfg.kafka.delivery, metrics_port=self.http.port if self.http else None)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        # A loop that dies would silently stop the worker's progress: make it loud
+        # and stop the worker, so its uncommitted work is redelivered elsewhere.
+        if task.cancelled() or self._stopping.is_set():
+            return
+        exc = task.exception()
+        log.error("worker task died; stopping the worker", task=task.get_name(),
+                  error=repr(exc) if exc else "returned")
+        self.stop()
 
     async def _start_redis(self) -> None:
         from worker.redis_state import RedisState

@@ -127,27 +127,32 @@ def test_sigkill_one_of_two_workers_loses_nothing_and_duplicates_nothing(worker_
         if all((w.ready() or {}).get("assigned_partitions", 0) > 0 for w in (w1, w2)):
             break
         time.sleep(0.5)
-    reqs = [chat(f"k{i}", f"tell me about number {i}", max_tokens=48) for i in range(90)]
+    reqs = [chat(f"k{i}", f"tell me about number {i}", max_tokens=128) for i in range(90)]
 
     async def run():
+        seen: dict = {}
+        killed = False
+        wanted = {r.id for r in reqs}
         async with TopicReader(kafka_bootstrap, topics.results) as reader:
             async with RequestProducer(kafka_bootstrap) as producer:
                 for r in reqs:
                     await producer.send(topics.chat, r, "msgpack")
-            # Kill w1 as soon as it has published anything: it is mid-batch then.
-            seen: dict = {}
-            async for rec in reader.records(120):
-                res = decode_result(rec.value)
-                seen.setdefault(res.id, []).append(res)
-                if res.worker == "w1":
-                    break
-            w1.signal(signal.SIGKILL)
-            rest = await collect_results(reader, [r.id for r in reqs if r.id not in seen], timeout_s=120)
-            tail = await collect_results(reader, [r.id for r in reqs], timeout_s=4)
-            for d in (rest, tail):
-                for rid, results in d.items():
-                    seen.setdefault(rid, []).extend(results)
-            return seen
+            done_at = None
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                for rec in await reader.poll():
+                    res = decode_result(rec.value)
+                    seen.setdefault(res.id, []).append(res)
+                    if not killed and res.worker == "w1":
+                        # w1 has just committed a transaction and has more in flight: kill it now.
+                        w1.signal(signal.SIGKILL)
+                        killed = True
+                if done_at is None and wanted <= set(seen):
+                    done_at = time.monotonic()
+                if done_at is not None and time.monotonic() - done_at > 4:
+                    break  # read on a little after the last first copy to catch duplicates
+        assert killed
+        return seen
 
     seen = asyncio.run(run())
     missing = sorted(r.id for r in reqs if r.id not in seen)

@@ -147,12 +147,18 @@ def test_ratios_are_clamped_and_zero_budget_is_safe():
         lambda m: m.inc_dlq("something new"),
         lambda m: m.inc_kafka_transaction("maybe"),
         lambda m: m.observe_batch_flush(bucket=5),
-        lambda m: m.inc_rule_violation("a prompt's text, not a rule id"),
     ],
 )
 def test_unbounded_label_values_are_rejected(call):
     with pytest.raises(ValueError):
         call(WorkerMetrics())
+
+
+def test_open_label_values_that_are_not_identifiers_count_as_other():
+    metrics = WorkerMetrics()
+    metrics.inc_rule_violation("a prompt's text, not a rule id")
+    s = exposed_samples(metrics.registry)
+    assert value(s, "infinilm_rule_violations_total", rule="other") == 1
 
 
 def test_open_labels_overflow_into_other():

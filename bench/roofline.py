@@ -1,0 +1,137 @@
+"""The CPU roofline: what this machine can do, and how much work a workload is.
+
+Two halves. `measure_machine` times fp32 GEMMs and large-tensor reads on the
+machine the benchmark runs on, because spec-sheet peaks are never reached by
+torch and would make every percentage look worse than the code is.
+`FlopModel` counts the useful FLOPs of a Llama-style model: 2 FLOPs per
+non-embedding weight per token, the LM head only for rows that are sampled,
+and 4 * layers * heads * head_dim per attended context token (QK^T and PV).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models.config import ModelConfig
+
+# (m, k, n): a large square product, and the shape of an MLP projection of the
+# demo model (hidden 576 -> intermediate 1536) over a full 2048-token batch.
+GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((2048, 2048, 2048), (2048, 576, 1536))
+BANDWIDTH_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    gemm_gflops: dict[str, float]  # "MxKxN" -> measured GFLOP/s
+    peak_gflops: float  # the best of gemm_gflops: the compute roof
+    read_gbps: float  # tensor.sum() over BANDWIDTH_BYTES: the memory roof
+    copy_gbps: float  # bytes read + written per second by a copy of the same tensor
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _best_time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # first call pays allocation and BLAS dispatch; it is not the steady state
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_gemm(m: int, k: int, n: int, reps: int) -> float:
+    """Best-of-`reps` fp32 torch.mm rate in GFLOP/s."""
+    a = torch.randn(m, k)
+    b = torch.randn(k, n)
+    out = torch.empty(m, n)
+    seconds = _best_time(lambda: torch.mm(a, b, out=out), reps)
+    return 2 * m * k * n / seconds / 1e9
+
+
+def measure_bandwidth(num_bytes: int, reps: int) -> tuple[float, float]:
+    """(read GB/s from a sum, copy GB/s counting read + write) over a tensor far larger than any cache."""
+    x = torch.rand(num_bytes // 4)
+    y = torch.empty_like(x)
+    read = _best_time(x.sum, reps)
+    copy = _best_time(lambda: y.copy_(x), reps)
+    return num_bytes / read / 1e9, 2 * num_bytes / copy / 1e9
+
+
+def measure_machine(reps: int, on_step: Callable[[], None] = lambda: None) -> MachineRates:
+    gemm: dict[str, float] = {}
+    for m, k, n in GEMM_SHAPES:
+        gemm[f"{m}x{k}x{n}"] = measure_gemm(m, k, n, reps)
+        on_step()
+    read, copy = measure_bandwidth(BANDWIDTH_BYTES, reps)
+    on_step()
+    return MachineRates(gemm, max(gemm.values()), read, copy)
+
+
+def describe_machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        # A busy machine makes every number here meaningless; keep the evidence.
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Useful FLOPs of a forward pass, from the model's shape alone."""
+
+    linear_per_token: int  # 2 * non-embedding parameters
+    lm_head_per_row: int  # 2 * vocab * hidden, paid only by sampled rows
+    attention_per_context: int  # 4 * layers * heads * head_dim, per attended token
+
+    @classmethod
+    def from_config(cls, mc: ModelConfig) -> FlopModel:
+        return cls(
+            linear_per_token=2 * mc.num_parameters(include_embeddings=False),
+            lm_head_per_row=2 * mc.vocab_size * mc.hidden_size,
+            attention_per_context=4 * mc.num_layers * mc.num_heads * mc.head_dim,
+        )
+
+    def decode_step(self, num_seqs: int, context_sum: int) -> int:
+        """One decode token per sequence; together they attend to `context_sum` tokens (each its own included)."""
+        return num_seqs * (self.linear_per_token + self.lm_head_per_row) + self.attention_per_context * context_sum
+
+    def request(self, prompt_len: int, output_len: int, num_cached: int = 0) -> int:
+        """The work one request needs: its uncached prompt and every output token but the last are
+        forwarded (the last is sampled, never fed back); every output token costs one LM-head row."""
+        first, last = num_cached, prompt_len + output_len - 1  # positions that go through the model
+        tokens = last - first
+        # Position i attends to i + 1 tokens: the sum of (i + 1) for i in [first, last).
+        attended = (last * (last + 1) - first * (first + 1)) // 2
+        return (tokens * self.linear_per_token + output_len * self.lm_head_per_row
+                + attended * self.attention_per_context)
+
+
+def kv_bytes_per_token(mc: ModelConfig, element_size: int = 4) -> int:
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * element_size
