@@ -51,10 +51,6 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.model_path: Path = resolve_model(config.model)
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            # Denormal floats take a microcode slow path on x86 that can make a step
-            # many times slower; flushing them changes nothing at our tolerances.
-            torch.set_flush_denormal(True)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = ModelConfig.from_folder(self.model_path)
         mc = self.model_config
@@ -145,12 +141,20 @@ class EngineCore:
             req = self.scheduler.requests[s.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        # Denormal floats take a microcode slow path on x86 that can make a step many
+        # times slower; flushing them changes nothing at our tolerances. It is a
+        # per-thread CPU flag, so it is set only while the step runs and the caller's
+        # floating-point state is left as it was.
+        flush = self.device.type == "cpu" and torch.set_flush_denormal(True)
         try:
             result = self.runner.execute(sched)
         except Exception as exc:
             # A failure inside the forward pass must not take the engine down:
             # fail the requests of this step and keep serving the rest.
             return outputs + self._fail_step(sched, exc)
+        finally:
+            if flush:
+                torch.set_flush_denormal(False)
         finished_ids: list[str] = []
         for st in self.scheduler.update(sched, result.sampled):
             req = st.request
