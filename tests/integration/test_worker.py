@@ -211,3 +211,56 @@ def test_results_keep_flowing_while_redis_is_down(worker_setup, kafka_bootstrap,
         assert w.ready()["redis"] == "ok"
     finally:
         redis.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_finishes_or_hands_over_without_loss_or_duplicates(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w1 = start("w1")
+    w1.wait_ready()
+    reqs = [chat(f"t{i}", f"graceful shutdown {i}", max_tokens=128) for i in range(60)]
+
+    async def run():
+        seen: dict = {}
+        wanted = {r.id for r in reqs}
+        w2 = None
+        async with TopicReader(kafka_bootstrap, topics.results) as reader:
+            async with RequestProducer(kafka_bootstrap) as producer:
+                for r in reqs:
+                    await producer.send(topics.chat, r, "json")
+            done_at = None
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                for rec in await reader.poll():
+                    res = decode_result(rec.value)
+                    seen.setdefault(res.id, []).append(res)
+                    if w2 is None:
+                        # Mid-load: SIGTERM w1 and bring up a replacement in the same group.
+                        w1.signal(signal.SIGTERM)
+                        w2 = start("w2")
+                if done_at is None and wanted <= set(seen):
+                    done_at = time.monotonic()
+                if done_at is not None and time.monotonic() - done_at > 4:
+                    break
+        return seen
+
+    seen = asyncio.run(run())
+    assert w1.wait(60) == 0, w1.logs()[-3000:]
+    missing = sorted(r.id for r in reqs if r.id not in seen)
+    dupes = {rid: len(v) for rid, v in seen.items() if len(v) > 1}
+    assert not missing and not dupes, (missing, dupes)
+    events = [e.get("event") for e in w1.log_events()]
+    assert "shutting down" in events and "worker stopped" in events
+
+
+def test_a_request_past_its_deadline_gets_deadline_exceeded(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start()
+    w.wait_ready()
+    past = int(time.time() * 1000) - 1000
+    future = int(time.time() * 1000) + 600_000
+    sends = [(topics.chat, chat("late", deadline_ms=past), "json"),
+             (topics.chat, chat("in-time", deadline_ms=future), "json")]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, ["late", "in-time"], linger=0.5))
+    assert got["late"][0].error.code == "deadline_exceeded"
+    assert got["in-time"][0].status == "ok"
