@@ -1,19 +1,28 @@
-"""Linear layers that route small decode batches to a bandwidth-bound kernel.
+"""Linear layers that pick the fastest CPU path for the batch at hand.
 
-With 1-8 rows a linear layer only streams its weight; BLAS picks slow paths
-there (measured: about half the bandwidth of a plain reduction), so fp32 CPU
-calls with few rows go to the skinny kernel of the CPU extension instead.
+Measured on the 2-core dev machine over SmolLM2's layer shapes with weights
+streamed from memory (bench numbers in docs/BENCHMARKS.md):
+- 1-8 rows: a linear layer only streams its weight; BLAS picks slow paths
+  there, so the skinny kernel of the CPU extension runs it at close to memory
+  bandwidth (2-4x faster than MKL);
+- 9-256 rows (decode batches): oneDNN's matmul on the plain weight is 20-30%
+  faster than MKL's sgemm, and 2x on the LM head;
+- more rows (prefill chunks): MKL, which is as fast or faster there.
+Only fp32 on the CPU takes the special paths; everything else is F.linear.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8
+ONEDNN_MAX_ROWS = 256
 
 
 @cache
@@ -23,12 +32,29 @@ def _skinny_kernel():
     return load_kernels().skinny_linear if kernels_available() else None
 
 
+@cache
+def _onednn_available() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.randn(9, 8), torch.randn(4, 8)
+        out = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return bool(torch.allclose(out, F.linear(x, w), atol=1e-5))
+    except Exception as exc:  # an unusual build: use plain F.linear
+        log.info("oneDNN linear unavailable (%r)", exc)
+        return False
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.device.type == "cpu"
-            and weight.dtype == torch.float32 and x.dtype == torch.float32 and not torch.is_grad_enabled()):
-        kernel = _skinny_kernel()
-        if kernel is not None:
-            return kernel(x, weight, bias)
+    rows = x.shape[0]
+    if (x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and not torch.is_grad_enabled()):
+        if rows <= SKINNY_MAX_ROWS:
+            kernel = _skinny_kernel()
+            if kernel is not None:
+                return kernel(x, weight, bias)
+        elif rows <= ONEDNN_MAX_ROWS and _onednn_available():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

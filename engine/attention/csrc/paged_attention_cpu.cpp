@@ -33,6 +33,64 @@ static inline const float* row_as_float(const scalar_t* src, float* buf, int64_t
   else { for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]); return buf; }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// Four 8-lane partial sums -> their four totals, with three hadds instead of four full reductions.
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// scores[t] = scale * q . k_t for t in [0, L), four tokens at a time; q is one head (D floats).
+template <int NV>
+static void qk_head(const float* q, const float* const* krows, int64_t L, float scale, float* scores) {
+  __m256 qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < NV; ++c) {
+      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t] + 8 * c), a0);
+      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t + 1] + 8 * c), a1);
+      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t + 2] + 8 * c), a2);
+      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t + 3] + 8 * c), a3);
+    }
+    _mm_storeu_ps(scores + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), sc));
+  }
+  for (; t < L; ++t) {
+    __m256 a = _mm256_setzero_ps();
+    for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t] + 8 * c), a);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_hadd_ps(r, r);
+    r = _mm_hadd_ps(r, r);
+    scores[t] = _mm_cvtss_f32(r) * scale;
+  }
+}
+
+// out = sum_t p[t] * v_t, accumulated in registers.
+template <int NV>
+static void pv_head(const float* p, const float* const* vrows, int64_t L, float* out) {
+  __m256 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vrows[t] + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+#define HAVE_AVX2_HEADS 1
+#endif
+
+static void qk_generic(const float* q, const float* const* krows, int64_t L, int64_t D, float scale, float* scores) {
+  for (int64_t t = 0; t < L; ++t) scores[t] = dot(q, krows[t], D) * scale;
+}
+
+static void pv_generic(const float* p, const float* const* vrows, int64_t L, int64_t D, float* out) {
+  std::fill(out, out + D, 0.f);
+  for (int64_t t = 0; t < L; ++t) axpy(p[t], vrows[t], out, D);
+}
+
 template <typename scalar_t>
 void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
                       torch::Tensor seq_lens, double scale) {
@@ -47,32 +105,56 @@ void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torc
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D), rowbuf(KVH * D);
-    for (int64_t b = begin; b < end; ++b) {
+  constexpr bool is_f32 = std::is_same_v<scalar_t, float>;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, conv;
+    std::vector<const float*> krows, vrows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, kh = task % KVH;
       const int64_t L = sl[b];
-      scores.resize(H * L);
-      const float* qb = qp + b * H * D;
+      scores.resize(G * L);
+      krows.resize(L);
+      vrows.resize(L);
+      // Row pointers for this head once; non-fp32 caches are converted into a scratch copy.
+      if constexpr (!is_f32) conv.resize(2 * L * D);
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[b * MB + t / BS];
-        const float* kr = row_as_float<scalar_t>(kbase + blk * blk_stride + (t % BS) * tok_stride, rowbuf.data(), KVH * D);
-        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kr + (h / G) * D, D) * sc;
+        const int64_t off = bt[b * MB + t / BS] * blk_stride + (t % BS) * tok_stride + kh * head_stride;
+        if constexpr (is_f32) {
+          krows[t] = reinterpret_cast<const float*>(kbase + off);
+          vrows[t] = reinterpret_cast<const float*>(vbase + off);
+        } else {
+          float* kc = conv.data() + t * D;
+          float* vc = conv.data() + (L + t) * D;
+          for (int64_t d = 0; d < D; ++d) { kc[d] = static_cast<float>(kbase[off + d]); vc[d] = static_cast<float>(vbase[off + d]); }
+          krows[t] = kc;
+          vrows[t] = vc;
+        }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        float* sg = scores.data() + h * L;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* qh = qp + (b * H + h) * D;
+        float* sg = scores.data() + g * L;
+#ifdef HAVE_AVX2_HEADS
+        if (D == 64) qk_head<8>(qh, krows.data(), L, sc, sg);
+        else if (D == 128) qk_head<16>(qh, krows.data(), L, sc, sg);
+        else qk_generic(qh, krows.data(), L, D, sc, sg);
+#else
+        qk_generic(qh, krows.data(), L, D, sc, sg);
+#endif
         float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
         at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
         float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
         const float inv = 1.f / sum;
         at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
+        float* oh = op + (b * H + h) * D;
+#ifdef HAVE_AVX2_HEADS
+        if (D == 64) pv_head<8>(sg, vrows.data(), L, oh);
+        else if (D == 128) pv_head<16>(sg, vrows.data(), L, oh);
+        else pv_generic(sg, vrows.data(), L, D, oh);
+#else
+        pv_generic(sg, vrows.data(), L, D, oh);
+#endif
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t blk = bt[b * MB + t / BS];
-        const float* vr = row_as_float<scalar_t>(vbase + blk * blk_stride + (t % BS) * tok_stride, rowbuf.data(), KVH * D);
-        for (int64_t h = 0; h < H; ++h) axpy(scores[h * L + t], vr + (h / G) * D, acc.data() + h * D, D);
-      }
-      std::copy(acc.begin(), acc.end(), op + b * H * D);
     }
   });
 }
