@@ -51,6 +51,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
+        self.deterministic_chunk = 256  # grid of deterministic prefills (the engine sets it)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found cached
 
@@ -86,10 +87,17 @@ class BlockManager:
     def compute_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over every full block of its known tokens."""
         bs = self.block_size
-        extra = request.mask.cache_key()
+        mask = request.mask
+        # Deterministic requests reuse only KV that deterministic prefills computed.
+        det = b"det:%d" % self.deterministic_chunk if request.params.deterministic else b""
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else None
+            extra = mask.block_key((i + 1) * bs, request.token_ids) + det
+            if det and (i + 1) * bs > request.num_prompt_tokens:
+                # Rows written by decode steps have other numerics than a prefill of the same
+                # tokens would: keep them apart from prompt blocks.
+                extra += b":gen"
             hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> list[int]:
@@ -102,7 +110,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
+        last_needed = request.num_tokens - 1
+        if request.params.score_positions:
+            # The row before each scored token must be computed, not taken from the cache.
+            last_needed = min(last_needed, min(request.params.score_positions) - 1)
+        if request.params.deterministic:
+            # Resume only on the deterministic grid, so the rows after a hit are grouped
+            # exactly as in a cold run.
+            last_needed = last_needed // self.deterministic_chunk * self.deterministic_chunk
+        max_blocks = last_needed // bs
         hits: list[int] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block_id = self._cached.get(block_hash)
@@ -111,9 +127,13 @@ class BlockManager:
             if self._blocks[block_id].token_ids != tuple(request.token_ids[i * bs:(i + 1) * bs]):
                 break  # a hash collision: never share KV of other tokens
             hits.append(block_id)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits
+
+    def record_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count one admitted request's prefix lookup for the hit rate."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_cached
 
     def register_full_blocks(self, request: Request) -> None:
         """Offer the request's newly completed blocks to the prefix cache."""

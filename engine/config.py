@@ -45,6 +45,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # Deterministic requests prefill in chunks on this fixed grid of rows, so their
+    # chunking never depends on what else is scheduled.
+    deterministic_chunk: int = 256
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -53,6 +56,9 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.deterministic_chunk < 1 or self.deterministic_chunk % self.block_size:
+            raise InvalidRequestError(
+                f"deterministic_chunk ({self.deterministic_chunk}) must be a positive multiple of block_size")
         if self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.max_cache_ratio <= 1:

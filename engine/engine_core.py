@@ -19,6 +19,7 @@ from engine.config import DTYPES, CacheLayout, EngineConfig
 from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
 from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
+from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
@@ -65,8 +66,12 @@ class EngineCore:
         self.max_model_len = self.layout.max_model_len
         self.kv_caches = allocate_kv_caches(self.layout, mc)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
+        # The deterministic prefill grid must fit in one step's budget (a derived value).
+        bs = config.block_size
+        self.deterministic_grid = min(config.deterministic_chunk, config.max_num_batched_tokens // bs * bs)
+        self.block_manager.deterministic_chunk = self.deterministic_grid
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, self.deterministic_grid)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []
@@ -96,12 +101,21 @@ class EngineCore:
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate"
             )
-        if not mask.is_causal and len(token_ids) > self.config.max_num_batched_tokens:
+        if params.deterministic and self.deterministic_grid < 1:
+            raise InvalidRequestError("deterministic requests need max_num_batched_tokens >= block_size")
+        if any(pos >= len(token_ids) for pos in params.score_positions):
+            raise InvalidRequestError("score_positions must point inside the prompt")
+        if not mask.is_causal and len(token_ids) - mask.start > self.config.max_num_batched_tokens:
             raise PromptTooLongError(
-                f"a {mask.policy} prompt is prefilled in one step, so it may have at most "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens} tokens; it has {len(token_ids)}"
+                f"the {mask.policy} region and what follows it are prefilled in one step, so they may have at "
+                f"most max_num_batched_tokens={self.config.max_num_batched_tokens} tokens; they have "
+                f"{len(token_ids) - mask.start}"
             )
         req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text)
+        if params.banned_phrases:
+            if self.tokenizer is None:
+                raise InvalidRequestError("banned phrases need a model with a tokenizer")
+            req.banned_sequences = phrase_token_sequences(self.tokenizer, params.banned_phrases)
         self.output_processor.add(req)
         self.scheduler.add(req)
         return req
@@ -155,6 +169,8 @@ class EngineCore:
         finally:
             if flush:
                 torch.set_flush_denormal(False)
+        for rid, scores in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(rid, scores)
         finished_ids: list[str] = []
         for st in self.scheduler.update(sched, result.sampled):
             req = st.request

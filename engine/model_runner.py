@@ -7,13 +7,15 @@ through the LM head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.attention.masks import mask_positions
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
+from engine.logits_processors import apply_bans, banned_next_tokens
+from engine.models.linear import batch_invariant
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SampleResult, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -23,6 +25,8 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 class RunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # request id -> {position: log P(token at position | tokens before)}
+    prompt_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -42,24 +46,53 @@ class ModelRunner:
         prefills = [s for s in out.scheduled if not s.is_decode]
         ordered = decodes + prefills
         input_ids, positions, meta = self._prepare(decodes, prefills)
+        invariant = any(s.params.deterministic for s in ordered)
+        with batch_invariant(invariant):
+            return self._run(ordered, input_ids, positions, meta)
+
+    def _run(self, ordered, input_ids, positions, meta) -> RunnerOutput:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         rows, sampling = [], []
+        score_rows: list[int] = []
+        score_targets: list[tuple[str, int, int]] = []  # (request id, position, token)
         offset = 0
         for s in ordered:
+            if s.params.score_positions:
+                # Row r's logits predict the token at r + 1.
+                for pos in s.params.score_positions:
+                    if s.start < pos <= s.start + len(s.token_ids) and pos < len(s.history):
+                        score_rows.append(offset + pos - 1 - s.start)
+                        score_targets.append((s.request_id, pos, s.history[pos]))
             offset += len(s.token_ids)
             if s.sample:
                 rows.append(offset - 1)
                 sampling.append(s)
+        prompt_logprobs = self._score(hidden, score_rows, score_targets) if score_rows else {}
         if not sampling:
-            return RunnerOutput({}, {})
+            return RunnerOutput({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float().cpu()
         if self.capture_logits:
             self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(sampling)}
+        if any(s.banned for s in sampling):
+            apply_bans(logits, [banned_next_tokens(s.history, s.banned) if s.banned else [] for s in sampling])
         result: SampleResult = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
         sampled = {s.request_id: t for s, t in zip(sampling, result.token_ids, strict=True)}
         logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _score(self, hidden: torch.Tensor, rows: list[int], targets: list[tuple[str, int, int]],
+               chunk: int = 256) -> dict[str, dict[int, float]]:
+        """Log-probabilities of given prompt tokens, a chunk of rows at a time to bound memory."""
+        out: dict[str, dict[int, float]] = {}
+        for i in range(0, len(rows), chunk):
+            idx = torch.tensor(rows[i:i + chunk], device=hidden.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
+            tokens = torch.tensor([t for _, _, t in targets[i:i + chunk]], device=logprobs.device)
+            picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+            for (rid, pos, _), lp in zip(targets[i:i + chunk], picked, strict=True):
+                out.setdefault(rid, {})[pos] = lp
+        return out
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
         bs = self.block_size

@@ -10,7 +10,7 @@ from engine.tokenizer import Tokenizer
 
 
 class _TextState:
-    __slots__ = ("emitted", "logprobs", "max_stop_len", "stream", "text")
+    __slots__ = ("emitted", "logprobs", "max_stop_len", "prompt_logprobs", "stream", "text")
 
     def __init__(self, request: Request, tokenizer: Tokenizer | None) -> None:
         self.stream = tokenizer.decode_stream(request.params.skip_special_tokens) if tokenizer else None
@@ -18,6 +18,7 @@ class _TextState:
         self.emitted = 0  # chars of text already handed out as new_text
         self.max_stop_len = max((len(s) for s in request.params.stop), default=0)
         self.logprobs: list | None = [] if request.params.logprobs is not None else None
+        self.prompt_logprobs: dict[int, float] | None = {} if request.params.score_positions else None
 
 
 class OutputProcessor:
@@ -27,6 +28,11 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         self._states[request.request_id] = _TextState(request, self.tokenizer)
+
+    def add_prompt_logprobs(self, request_id: str, scores: dict[int, float]) -> None:
+        st = self._states.get(request_id)
+        if st is not None and st.prompt_logprobs is not None:
+            st.prompt_logprobs.update(scores)
 
     def process(self, request: Request, token_id: int, logprob, finished: bool) -> tuple[RequestOutput, bool]:
         """Fold one new token into the request's text.
@@ -101,4 +107,5 @@ class OutputProcessor:
             metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                    request.first_token_time, now if finished else None),
             num_preemptions=request.num_preemptions,
+            prompt_logprobs=st.prompt_logprobs if st else None,
         )

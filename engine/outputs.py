@@ -33,6 +33,7 @@ class RequestOutput:
     error: RequestError | None = None
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
+    prompt_logprobs: dict[int, float] | None = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.banned_sequences: tuple[tuple[int, ...], ...] = ()  # token forms of params.banned_phrases
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)

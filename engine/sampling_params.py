@@ -36,10 +36,15 @@ class SamplingParams:
     logprobs: int | None = None
     # Phrases that must never be generated; enforced at the logits.
     banned_phrases: tuple[str, ...] = field(default=())
+    # Prompt positions t whose token's log-probability given tokens < t is returned
+    # (RequestOutput.prompt_logprobs); only those rows go through the LM head.
+    score_positions: tuple[int, ...] = ()
+    # Batch invariance: the same tokens whatever else shares the batch (see docs/determinism).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples: the object is frozen and shared.
-        for name in ("stop", "stop_token_ids", "banned_phrases"):
+        for name in ("stop", "stop_token_ids", "banned_phrases", "score_positions"):
             value = getattr(self, name)
             if value is None:
                 object.__setattr__(self, name, ())
@@ -77,6 +82,8 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.banned_phrases):
             raise bad("banned phrases must be non-empty strings")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.score_positions):
+            raise bad("score_positions must be integers >= 1 (a token is scored given the tokens before it)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 

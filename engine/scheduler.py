@@ -36,6 +36,7 @@ class ScheduledRequest:
     params: SamplingParams
     generator: torch.Generator | None
     history: list[int]  # the request's tokens so far (shared, not copied)
+    banned: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
 
     @property
     def is_decode(self) -> bool:
@@ -62,10 +63,32 @@ class FinishedStep:
     finished: bool
 
 
+def chunk_size(req: Request, start: int, budget: int, grid: int) -> int:
+    """Tokens to compute from row `start` within `budget`; 0 if the request must wait.
+
+    A custom mask couples the rows of its region (a row may see later rows), so
+    a prefill may be split before the region starts but never inside it: from
+    the region on, everything left is computed in one step. A deterministic
+    request prefills in chunks that end on a fixed grid, so how its rows are
+    grouped never depends on the rest of the batch.
+    """
+    remaining = req.num_tokens - start
+    if req.params.deterministic and remaining > 1:
+        to_grid = (start // grid + 1) * grid - start
+        size = min(remaining, to_grid)
+        return size if size <= budget else 0
+    if remaining <= budget or req.mask.is_causal:
+        return min(remaining, budget)
+    if start < req.mask.start:
+        return min(req.mask.start - start, budget)
+    return 0
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, deterministic_chunk: int = 256) -> None:
         self.kv = block_manager
+        self.grid = deterministic_chunk
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -88,7 +111,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = chunk_size(req, req.num_computed_tokens, budget, self.grid)
             if num_new <= 0:
                 i += 1
                 continue
@@ -104,27 +127,46 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        # Blocks this step's prefills will fill: a waiting request whose next block is
+        # among them waits one step and then reads them from the prefix cache instead
+        # of computing the same prefix twice (a burst of requests sharing a prompt).
+        filling = self._blocks_being_filled(out)
+        deferred: list[Request] = []
         # Admitting new work right after a preemption would only thrash the pool.
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            if filling and len(computed) < len(req.block_hashes) and req.block_hashes[len(computed)] in filling:
+                deferred.append(self.waiting.popleft())
+                continue
             num_cached = len(computed) * self.kv.block_size
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
-            if not req.mask.is_causal and num_new < req.num_tokens - num_cached:
-                # A custom mask couples the rows of its region, so it must be prefilled in one step.
-                if req.num_tokens - num_cached > self.token_budget:
-                    raise AssertionError("custom-mask request longer than the token budget reached the scheduler")
-                break
+            num_new = chunk_size(req, req.num_computed_tokens + num_cached, budget, self.grid)
+            if num_new <= 0:
+                break  # its mask region needs a whole step's budget; wait for one
             if not self.kv.allocate(req, num_new, computed):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                self.kv.record_lookup(req.num_tokens, num_cached)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._emit(out, req, num_new)
+            filling |= self._blocks_being_filled(out, out.scheduled[-1:])
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _blocks_being_filled(self, out: SchedulerOutput, scheduled=None) -> set[int]:
+        if not self.kv.enable_prefix_caching:
+            return set()
+        bs = self.kv.block_size
+        hashes: set[int] = set()
+        for s in out.scheduled if scheduled is None else scheduled:
+            if len(s.token_ids) > 1:
+                req = self.requests[s.request_id]
+                hashes.update(req.block_hashes[s.start // bs:(s.start + len(s.token_ids)) // bs])
+        return hashes
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -138,6 +180,7 @@ class Scheduler:
             params=req.params,
             generator=req.generator,
             history=req.token_ids,
+            banned=req.banned_sequences,
         ))
         out.num_scheduled_tokens += num_new
 

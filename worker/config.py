@@ -323,9 +323,8 @@ class AsrConfig(_Section):
     """Streaming ASR post-correction."""
 
     gap_timeout_s: Seconds = 5.0
-    mask_policy: Literal["causal", "chunk_bidirectional", "prefix_bidirectional", "packed_segments"] = (
-        "chunk_bidirectional"
-    )
+    # causal is the default everywhere; chunk_bidirectional lets a chunk's tokens see each other.
+    mask_policy: Literal["causal", "chunk_bidirectional", "prefix_bidirectional", "packed_segments"] = "causal"
 
 
 class RiskConfig(_Section):

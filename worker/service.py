@@ -44,9 +44,11 @@ from schemas import (
 from worker.batcher import Batch, BatchItem, make_batcher
 from worker.engine_loop import EngineEvent, EngineJob, EngineLoop
 from worker.handlers import Handler, HandlerContext, Prepared
+from worker.handlers.asr import AsrHandler
 from worker.handlers.chat import ChatHandler
+from worker.handlers.risk import RiskHandler
 from worker.http import HealthServer
-from worker.kafka_clients import client_kwargs
+from worker.kafka_clients import check_kafka_access, client_kwargs
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
 from worker.publisher import AtLeastOncePublisher, DeltaPublisher, PartitionLost, TransactionalPublisher
@@ -74,6 +76,7 @@ class InFlight:
     engine_ids: list[str]
     stream: list[bool]
     delta_index: int = 0
+    round: int = 0  # how many times work was handed to the engine (a handler may ask for a second round)
     submitted_at: float | None = None
     done: bool = False
     job_error: RequestError | None = None
@@ -88,12 +91,13 @@ class Worker:
         self.engine = engine or EngineCore(config.engine_config())
         self.model_name = config.model.name
         self.metrics.set_worker_info(self.worker_id, self.model_name, _version())
-        self.handlers: dict[str, Handler] = {"chat": ChatHandler()}
+        self.handlers: dict[str, Handler] = {"chat": ChatHandler(), "risk": RiskHandler(), "asr": AsrHandler()}
         self.topics = config.topics
         self._kind_topics = config.topics.request_topics
         self._topic_kinds = {topic: kind for kind, topic in self._kind_topics.items()}
         self.ctx = HandlerContext(
-            tokenizer=self.engine.tokenizer, max_model_len=self.engine.max_model_len, worker_id=self.worker_id,
+            tokenizer=self.engine.tokenizer, max_model_len=self.engine.max_model_len,
+            max_num_batched_tokens=self.engine.config.max_num_batched_tokens, worker_id=self.worker_id,
             model_name=self.model_name, config=config, metrics=self.metrics,
         )
         self.batcher = make_batcher(
@@ -117,6 +121,7 @@ class Worker:
         self.engine_loop: EngineLoop | None = None
         self.http: HealthServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self._prepare_tasks: dict[asyncio.Task, TopicPartition] = {}
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
@@ -132,6 +137,9 @@ class Worker:
 
     async def start(self) -> None:
         cfg = self.config
+        # Before any thread or client starts: a refused login must end start-up with its
+        # cause, not leave aiokafka retrying it for ever.
+        await check_kafka_access(cfg.kafka, client_id=self.worker_id)
         self._loop = asyncio.get_running_loop()
         self._events = asyncio.Queue()
         self.engine_loop = EngineLoop(self.engine, lambda ev: self._loop.call_soon_threadsafe(self._events.put_nowait, ev))
@@ -215,8 +223,10 @@ class Worker:
             await asyncio.gather(consume, return_exceptions=True)
         self._submit(self.batcher.drain())
         deadline = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < deadline:
+        while (self.inflight or self._prepare_tasks) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        for task in list(self._prepare_tasks):
+            task.cancel()
         if self.inflight:
             log.warning("aborting unfinished requests; they will be redelivered", count=len(self.inflight))
             self.engine_loop.abort(list(self.inflight))
@@ -277,29 +287,48 @@ class Worker:
             self._complete_error(tp, record.offset, request.id, request.kind, ErrorCode.unsupported_kind,
                                  f"this worker does not serve kind {request.kind!r} yet", fmt, consumed_at)
             return
-        if record.topic != self._kind_topics.get(request.kind, record.topic):
-            log.debug("request kind differs from its topic", kind=request.kind, topic=record.topic)
+        if getattr(handler, "defer_prepare", False):
+            # This handler may wait (an ASR chunk for its predecessor): run it beside
+            # the consume loop, which must keep polling.
+            task = asyncio.create_task(self._prepare(tp, record.offset, request, handler, fmt, consumed_at))
+            self._prepare_tasks[task] = tp
+            task.add_done_callback(self._prepare_tasks.pop)
+        else:
+            await self._prepare(tp, record.offset, request, handler, fmt, consumed_at)
+
+    async def _prepare(self, tp, offset: int, request, handler: Handler, fmt: str, consumed_at: float) -> None:
         try:
             prepared = await handler.prepare(request, self.ctx)
         except RequestError as exc:
-            self._complete_error(tp, record.offset, request.id, request.kind, exc.code, exc.message, fmt, consumed_at)
+            self._complete_error(tp, offset, request.id, request.kind, exc.code, exc.message, fmt, consumed_at)
             return
         except Exception as exc:
             log.exception("handler prepare failed", request_id=request.id)
-            self._complete_error(tp, record.offset, request.id, request.kind, ErrorCode.internal,
+            self._complete_error(tp, offset, request.id, request.kind, ErrorCode.internal,
                                  f"internal error while preparing: {type(exc).__name__}", fmt, consumed_at)
             return
+        if tp not in self.trackers:
+            return  # revoked while preparing
         if prepared.result is not None or not prepared.work:
             result = prepared.result or await handler.finish(request, prepared, [], self.ctx)
-            self._complete(tp, record.offset, request, result, fmt, consumed_at)
+            self._complete(tp, offset, request, result, fmt, consumed_at)
             return
-        ids = [f"{tp.topic}/{tp.partition}/{record.offset}/{i}" for i in range(len(prepared.work))]
-        fl = InFlight(tp, record.offset, request, handler, prepared, fmt, consumed_at,
-                      [None] * len(ids), ids, [w.stream for w in prepared.work])
-        for engine_id, work in zip(ids, prepared.work, strict=True):
+        fl = InFlight(tp, offset, request, handler, prepared, fmt, consumed_at, [], [], [])
+        self._enqueue(fl, prepared)
+
+    def _enqueue(self, fl: InFlight, prepared: Prepared) -> None:
+        """Hand a request's engine work to the batcher (again, for a handler's second round)."""
+        fl.prepared = prepared
+        fl.round += 1
+        base = f"{fl.tp.topic}/{fl.tp.partition}/{fl.offset}"
+        fl.engine_ids = [f"{base}/{i}" if fl.round == 1 else f"{base}/r{fl.round}/{i}"
+                         for i in range(len(prepared.work))]
+        fl.outputs = [None] * len(prepared.work)
+        fl.stream = [w.stream for w in prepared.work]
+        for engine_id, work in zip(fl.engine_ids, prepared.work, strict=True):
             self.inflight[engine_id] = fl
             ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids), work.params.max_tokens,
-                                               payload=work, arrival=consumed_at))
+                                               payload=work, arrival=time.monotonic()))
             self._submit(ready)
         self._batch_wakeup.set()
 
@@ -368,6 +397,9 @@ class Worker:
                 except Exception as exc:
                     log.exception("handler finish failed", request_id=fl.request.id)
                     self._fail_inflight(fl, ErrorCode.internal, f"internal error while finishing: {type(exc).__name__}")
+                    continue
+                if isinstance(result, Prepared):
+                    self._enqueue(fl, result)
                     continue
                 fl.done = True
                 self._complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs)
@@ -499,6 +531,9 @@ class Worker:
 
     def _drop_partition(self, tp: TopicPartition) -> None:
         self.trackers.pop(tp, None)
+        for task, task_tp in list(self._prepare_tasks.items()):
+            if task_tp == tp:
+                task.cancel()
         lost = [eid for eid, fl in self.inflight.items() if fl.tp == tp]
         for eid in lost:
             self.inflight[eid].done = True

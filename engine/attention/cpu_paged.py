@@ -56,7 +56,7 @@ def load_kernels():
     return load_inline(
         name=f"infinilm_paged_attention_cpu_{digest}",
         cpp_sources=[source],
-        functions=["paged_decode_attention", "skinny_linear"],
+        functions=["paged_decode_attention", "skinny_linear", "invariant_linear"],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,

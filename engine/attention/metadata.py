@@ -9,6 +9,7 @@ sequence, so packed segments can restart positions without changing slots.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +38,24 @@ class MaskSpec:
     def is_causal(self) -> bool:
         return self.policy == "causal"
 
-    def cache_key(self) -> bytes:
-        """Extra key for the prefix-cache hash: the same tokens under another mask have other KV."""
-        if self.is_causal:
+    def block_key(self, block_end: int, token_ids: list[int]) -> bytes:
+        """Extra prefix-cache key for the block of rows ending at `block_end` (exclusive).
+
+        The same tokens under another mask have other KV, so the key says how the
+        mask shapes this block's rows: nothing for rows that are plain causal (so a
+        shared causal prefix is reused across policies), the region for rows in a
+        bidirectional region, plus the region's tokens when rows of this block see
+        tokens after it. Later blocks inherit the difference through the chained hash.
+        """
+        if self.is_causal or block_end <= self.start:
             return b""
-        return f"{self.policy}:{self.start}:{self.end}:{','.join(map(str, self.segment_starts))}".encode()
+        if self.policy == "packed_segments":
+            starts = [s for s in (self.segment_starts or (self.start,)) if s < block_end]
+            return f"packed:{self.start}:{','.join(map(str, starts))}".encode()
+        key = f"{self.policy}:{self.start}:{self.end}".encode()
+        if block_end < self.end:
+            key += array("q", token_ids[self.start:self.end]).tobytes()
+        return key
 
 
 CAUSAL = MaskSpec()

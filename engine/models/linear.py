@@ -9,11 +9,17 @@ streamed from memory (bench numbers in docs/BENCHMARKS.md):
   faster than MKL's sgemm, and 2x on the LM head;
 - more rows (prefill chunks): MKL, which is as fast or faster there.
 Only fp32 on the CPU takes the special paths; everything else is F.linear.
+
+Batch-invariant mode (deterministic requests) routes every linear to a kernel
+whose per-row arithmetic does not depend on the number of rows, at a
+throughput cost measured in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from functools import cache
 
 import torch
@@ -23,6 +29,25 @@ from torch import nn
 log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8
 ONEDNN_MAX_ROWS = 256
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True):
+    """Within this block (on this thread), linears compute each row independently of the others."""
+    previous = getattr(_mode, "invariant", False)
+    _mode.invariant = enabled
+    try:
+        yield
+    finally:
+        _mode.invariant = previous
+
+
+@cache
+def _invariant_kernel():
+    from engine.attention.cpu_paged import kernels_available, load_kernels
+
+    return load_kernels().invariant_linear if kernels_available() else None
 
 
 @cache
@@ -49,6 +74,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if (x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
             and not torch.is_grad_enabled()):
+        if getattr(_mode, "invariant", False):
+            kernel = _invariant_kernel()
+            if kernel is None:
+                raise RuntimeError("deterministic mode needs the CPU kernels, which could not be built")
+            return kernel(x, weight, bias)
         if rows <= SKINNY_MAX_ROWS:
             kernel = _skinny_kernel()
             if kernel is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.integration.worker_harness import WorkerProcess, make_topics, write_config
 from worker.stack import StackConfig, StackStatus, delete_topics, ensure_topics, stack_up
 
 
@@ -79,3 +80,21 @@ def make_topic(
     yield make
     if created:
         delete_topics(stack_config, created)
+
+
+@pytest.fixture
+def worker_setup(tmp_path, make_topic, unique_name, kafka_bootstrap, redis_url, tiny_llama):
+    topics = make_topics(make_topic)
+    group = unique_name("group")
+    workers: list[WorkerProcess] = []
+
+    def start(worker_id: str = "w1", model: str | None = None, **sections) -> WorkerProcess:
+        cfg = write_config(tmp_path / f"{worker_id}.yaml", model=model or str(tiny_llama), topics=topics,
+                           group=group, bootstrap=kafka_bootstrap, redis_url=redis_url, **sections)
+        w = WorkerProcess(cfg, worker_id, tmp_path / f"{worker_id}.log").start()
+        workers.append(w)
+        return w
+
+    yield topics, start
+    for w in workers:
+        w.stop()

@@ -13,48 +13,11 @@ import time
 
 import pytest
 
-from schemas import ChatRequest, Message, decode_dead_letter, decode_result
-from tests.integration.worker_harness import WorkerProcess, make_topics, write_config
-from worker.client import RequestProducer, TopicReader, collect_results
+from schemas import decode_dead_letter, decode_result
+from tests.integration.worker_harness import chat, send_and_collect
+from worker.client import RequestProducer, TopicReader
 
 pytestmark = pytest.mark.integration
-
-
-def chat(rid: str, text: str = "hello there", max_tokens: int = 8, **kw) -> ChatRequest:
-    return ChatRequest(id=rid, messages=[Message(role="user", content=text)], max_tokens=max_tokens,
-                       temperature=0.0, **kw)
-
-
-async def send_and_collect(bootstrap, topics, sends, expect_ids, timeout=120.0, linger=3.0, topic_role="results"):
-    """Send (topic, payload, fmt[, key]) tuples; return {id: [results]} read until all arrive plus `linger` s."""
-    async with TopicReader(bootstrap, getattr(topics, topic_role)) as reader:
-        async with RequestProducer(bootstrap) as producer:
-            for send in sends:
-                await producer.send(*send)
-        got = await collect_results(reader, expect_ids, timeout)
-        # Keep reading a little to catch duplicates that arrive after the last first copy.
-        extra = await collect_results(reader, expect_ids, linger)
-    for rid, results in extra.items():
-        got.setdefault(rid, []).extend(results)
-    return got
-
-
-@pytest.fixture
-def worker_setup(tmp_path, make_topic, unique_name, kafka_bootstrap, redis_url, tiny_llama):
-    topics = make_topics(make_topic)
-    group = unique_name("group")
-    workers: list[WorkerProcess] = []
-
-    def start(worker_id: str = "w1", model: str | None = None, **sections) -> WorkerProcess:
-        cfg = write_config(tmp_path / f"{worker_id}.yaml", model=model or str(tiny_llama), topics=topics,
-                           group=group, bootstrap=kafka_bootstrap, redis_url=redis_url, **sections)
-        w = WorkerProcess(cfg, worker_id, tmp_path / f"{worker_id}.log").start()
-        workers.append(w)
-        return w
-
-    yield topics, start
-    for w in workers:
-        w.stop()
 
 
 def test_mixed_json_and_msgpack_requests_get_exactly_one_result_each(worker_setup, kafka_bootstrap):

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import yaml
 
+from schemas import ChatRequest, Message
 from tests.integration.redis_server import free_port
+from worker.client import RequestProducer, TopicReader, collect_results
 
 REPO = Path(__file__).resolve().parents[2]
 INFINILM = Path(sys.executable).parent / "infinilm"
@@ -72,10 +74,11 @@ class WorkerProcess:
     log_path: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
 
     def start(self) -> WorkerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's life
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             [str(INFINILM), "worker", "--config", str(self.config), "--worker-id", self.worker_id,
              "--metrics-port", str(self.port)],
@@ -133,3 +136,22 @@ class WorkerProcess:
                 with contextlib.suppress(json.JSONDecodeError):
                     events.append(json.loads(line))
         return events
+
+
+def chat(rid: str, text: str = "hello there", max_tokens: int = 8, **kw) -> ChatRequest:
+    return ChatRequest(id=rid, messages=[Message(role="user", content=text)], max_tokens=max_tokens,
+                       temperature=0.0, **kw)
+
+
+async def send_and_collect(bootstrap, topics, sends, expect_ids, timeout=120.0, linger=3.0, topic_role="results"):
+    """Send (topic, payload, fmt[, key]) tuples; return {id: [results]} read until all arrive plus `linger` s."""
+    async with TopicReader(bootstrap, getattr(topics, topic_role)) as reader:
+        async with RequestProducer(bootstrap) as producer:
+            for send in sends:
+                await producer.send(*send)
+        got = await collect_results(reader, expect_ids, timeout)
+        # Keep reading a little to catch duplicates that arrive after the last first copy.
+        extra = await collect_results(reader, expect_ids, linger)
+    for rid, results in extra.items():
+        got.setdefault(rid, []).extend(results)
+    return got

@@ -20,6 +20,7 @@ def run_prefill(bm: BlockManager, req: Request) -> list[int]:
     computed = bm.get_computed_blocks(req)
     num_cached = len(computed) * BS
     assert bm.allocate(req, req.num_tokens - num_cached, computed)
+    bm.record_lookup(req.num_tokens, num_cached)
     req.num_computed_tokens = req.num_tokens
     bm.register_full_blocks(req)
     return computed

@@ -48,7 +48,7 @@ async def _demo(cfg, keep_stack: bool) -> None:
     import msgspec
 
     from engine.model_registry import resolve_model
-    from schemas import ChatRequest, Message
+    from schemas import AsrRequest, ChatRequest, Message, RiskItem, RiskRequest
     from worker.client import RequestProducer, TopicReader, collect_results
     from worker.service import Worker
     from worker.structured_logging import configure_logging
@@ -76,12 +76,20 @@ async def _demo(cfg, keep_stack: bool) -> None:
         ("json", "What is the capital of France?"),
         ("msgpack", "Give me three tips for writing clear emails."),
         ("json", "Explain in one sentence what Apache Kafka does."),
-        ("msgpack", "What is 12 times 12?"),
     ]
     requests = [ChatRequest(id=f"demo-{run_id}-{i}", messages=[Message(role="user", content=q)], max_tokens=64,
                             temperature=0.0, stream=(i == 0)) for i, (_, q) in enumerate(questions)]
+    ruled = ChatRequest(id=f"demo-{run_id}-rules", messages=[Message(role="user", content="What is 12 times 12?")],
+                        max_tokens=48, temperature=0.0, rules=["forbid: 144", "Answer in words, not digits."])
+    stream_id = f"call-{run_id}"
+    chunks = [AsrRequest(id=f"demo-{run_id}-asr{i}", stream_id=stream_id, seq=i, text=t) for i, t in enumerate(
+        ["so um the meeting is moved to tuesday", "at ten thirty in the main conference room"])]
+    risk = RiskRequest(id=f"demo-{run_id}-risk", labels=["low", "medium", "high"], items=[
+        RiskItem(id="tx1", text="Wire of $9,900 to a new overseas account, the third one today."),
+        RiskItem(id="tx2", text="Monthly rent payment to the usual landlord.")])
     bad_id = f"demo-{run_id}-too-long"
     too_long = ChatRequest(id=bad_id, messages=[Message(role="user", content="word " * 9000)], max_tokens=16)
+    everything = [*requests, ruled, *chunks, risk, too_long]
     kwargs = {"bootstrap_servers": cfg.kafka.bootstrap_servers}
     started = time.perf_counter()
     async with TopicReader(topic=cfg.topics.results, **kwargs) as results, \
@@ -89,22 +97,26 @@ async def _demo(cfg, keep_stack: bool) -> None:
         async with RequestProducer(**kwargs) as producer:
             for (fmt, _), req in zip(questions, requests, strict=True):
                 await producer.send(cfg.topics.chat, req, fmt)
+            await producer.send(cfg.topics.chat, ruled, "json")
+            for chunk in chunks:
+                await producer.send(cfg.topics.asr, chunk, "json")
+            await producer.send(cfg.topics.risk, risk, "msgpack")
             await producer.send(cfg.topics.chat, too_long, "json")
             await producer.send(cfg.topics.chat, b"\x00\xffnot a request at all", "raw", key="garbage")
         with console.status("waiting for committed results (read_committed)..."):
-            got = await collect_results(results, [r.id for r in requests] + [bad_id], timeout_s=300)
+            got = await collect_results(results, [r.id for r in everything], timeout_s=600)
             dead = [rec async for rec in dlq.records(5.0)]
     elapsed = time.perf_counter() - started
 
     table = Table(title="committed results", show_lines=True)
     for col in ("id", "status", "text / error", "tokens", "ttft ms", "total ms"):
         table.add_column(col)
-    for req in [*requests, too_long]:
+    for req in everything:
         res = got.get(req.id, [None])[0]
         if res is None:
             table.add_row(req.id, "[red]missing[/]", "", "", "", "")
             continue
-        body = res.text if res.status == "ok" else f"{res.error.code}: {res.error.message[:80]}"
+        body = _describe(res)
         table.add_row(res.id, res.status, body, f"{res.usage.prompt_tokens}+{res.usage.completion_tokens}",
                       f"{res.timing.ttft_ms:.0f}", f"{res.timing.total_ms:.0f}")
     console.print(table)
@@ -118,6 +130,20 @@ async def _demo(cfg, keep_stack: bool) -> None:
         stack_down(StackConfig())
     else:
         console.print("Kafka and Redis are still running: `infinilm stack down` stops them.")
+
+
+def _describe(res) -> str:
+    if res.status != "ok":
+        return f"{res.error.code}: {res.error.message[:80]}"
+    if res.kind == "risk":
+        return "; ".join(f"{it.id}: {it.label} ({it.scores[it.label]:.2f})" for it in res.items)
+    if res.kind == "asr":
+        return f"[chunk {res.seq}] {res.text}\n[so far] {res.committed_text}"
+    if res.compliance is not None:
+        verdict = "rules passed" if res.compliance.passed else \
+            "rules broken: " + ", ".join(v.rule for v in res.compliance.violations)
+        return f"{res.text}\n[{verdict}]"
+    return res.text
 
 
 def _print_metrics(worker) -> None:

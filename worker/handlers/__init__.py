@@ -46,6 +46,7 @@ class HandlerContext:
 
     tokenizer: Any
     max_model_len: int
+    max_num_batched_tokens: int
     worker_id: str
     model_name: str
     config: Any

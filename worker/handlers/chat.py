@@ -1,13 +1,24 @@
-"""Chat completions: chat template in, generated text out."""
+"""Chat completions: chat template in, generated text out, with rules and a compliance check.
+
+Rules come from the request (`rules`), the tenant (`chat.tenant_rules`), the
+topic (`chat.topic_rules`) and `chat.forbidden_phrases`. They go into the
+prompt as constraint lines (`##必须遵守: ...`, through `chat.rules_template`),
+forbidden phrases are blocked at the logits, and the output is checked. With
+`chat.repair_policy: regenerate` a violating answer is generated once more
+with a stricter prompt; the result reports `compliance` either way.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine import RequestError, RequestOutput, SamplingParams
-from schemas import ChatRequest, Result, Usage
+from schemas import ChatRequest, Compliance, Result, Usage, Violation
 from worker.handlers import HandlerContext, Prepared, Work
+from worker.rules import STRICT_LINE, RuleError, RuleSet
 
 
-def sampling_params_for(req: ChatRequest, *, ignore_eos: bool = False) -> SamplingParams:
+def sampling_params_for(req: ChatRequest, *, banned: tuple[str, ...] = (), deterministic: bool = False) -> SamplingParams:
     return SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -16,7 +27,8 @@ def sampling_params_for(req: ChatRequest, *, ignore_eos: bool = False) -> Sampli
         min_p=req.min_p,
         seed=req.seed,
         stop=req.stop_list,
-        ignore_eos=ignore_eos,
+        banned_phrases=banned,
+        deterministic=deterministic,
     )
 
 
@@ -25,7 +37,7 @@ def encode_chat(messages: list[dict[str, str]], ctx: HandlerContext) -> list[int
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
-def check_length(token_ids: list[int], max_tokens: int, ctx: HandlerContext) -> None:
+def check_length(token_ids: list[int], ctx: HandlerContext) -> None:
     if len(token_ids) >= ctx.max_model_len:
         raise RequestError(
             f"the prompt has {len(token_ids)} tokens; max_seq_len is {ctx.max_model_len}",
@@ -33,20 +45,63 @@ def check_length(token_ids: list[int], max_tokens: int, ctx: HandlerContext) -> 
         )
 
 
+@dataclass
+class ChatState:
+    rules: RuleSet
+    context: str
+    attempt: int = 0
+    first_violations: tuple[str, ...] = ()
+
+
 class ChatHandler:
     kind = "chat"
 
-    async def prepare(self, req: ChatRequest, ctx: HandlerContext) -> Prepared:
+    def _rules(self, req: ChatRequest, ctx: HandlerContext) -> RuleSet:
+        cc = ctx.config.chat
+        lines = [*req.rules, *cc.tenant_rules.get(req.tenant or "", ()), *cc.topic_rules.get(ctx.config.topics.chat, ()),
+                 *(f"forbid: {p}" for p in cc.forbidden_phrases)]
+        try:
+            return RuleSet(lines, cc.rules_template)
+        except RuleError as exc:
+            raise RequestError(str(exc), code="invalid_request") from exc
+
+    def _work(self, req: ChatRequest, ctx: HandlerContext, state: ChatState, extra: tuple[str, ...] = ()) -> Work:
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        if state.rules:
+            block = state.rules.prompt_block(extra)
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n{block}"}
+            else:
+                messages.insert(0, {"role": "system", "content": block})
         token_ids = encode_chat(messages, ctx)
-        check_length(token_ids, req.max_tokens, ctx)
-        return Prepared(work=[Work(token_ids, sampling_params_for(req), stream=req.stream)])
+        check_length(token_ids, ctx)
+        deterministic = req.deterministic if req.deterministic is not None else ctx.config.execution.deterministic
+        params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic)
+        # A repair attempt streams nothing: the first attempt's deltas were already sent.
+        return Work(token_ids, params, stream=req.stream and state.attempt == 0)
+
+    async def prepare(self, req: ChatRequest, ctx: HandlerContext) -> Prepared:
+        state = ChatState(self._rules(req, ctx), "\n".join(m.content for m in req.messages))
+        return Prepared(work=[self._work(req, ctx, state)], state=state)
 
     async def finish(self, req: ChatRequest, prepared: Prepared, outputs: list[RequestOutput],
-                     ctx: HandlerContext) -> Result:
+                     ctx: HandlerContext) -> Result | Prepared:
         (out,) = outputs
+        state: ChatState = prepared.state
+        compliance = None
+        if state.rules:
+            violations = state.rules.check(out.text, state.context)
+            if ctx.metrics is not None:
+                for v in violations:
+                    ctx.metrics.inc_rule_violation(v.rule)
+            if violations and state.attempt == 0 and ctx.config.chat.repair_policy == "regenerate":
+                broken = "; ".join(sorted({v.rule for v in violations}))
+                retry = ChatState(state.rules, state.context, attempt=1, first_violations=tuple(v.rule for v in violations))
+                return Prepared(work=[self._work(req, ctx, retry, (STRICT_LINE.format(broken=broken),))], state=retry)
+            compliance = Compliance(passed=not violations,
+                                    violations=[Violation(rule=v.rule, detail=v.detail) for v in violations])
         return Result(
-            id=req.id, kind="chat", text=out.text, finish_reason=out.finish_reason,
+            id=req.id, kind="chat", text=out.text, finish_reason=out.finish_reason, compliance=compliance,
             usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                         cached_tokens=out.num_cached_tokens),
         )

@@ -228,3 +228,74 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   });
   return y;
 }
+
+// Batch-invariant linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) where every
+// output element is computed by the same sequence of operations (one FMA chain
+// over K in fixed 8-float chunks, the same horizontal sum, then the tail), so a
+// row's result never depends on how many rows share the call or how they are
+// tiled. The 4x2 register tile only decides which elements run side by side.
+static inline float hsum_vec(Vec v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+static inline float invariant_dot_tail(const float* x, const float* w, int64_t k0, int64_t K, float s) {
+  for (int64_t k = k0; k < K; ++k) s += x[k] * w[k];
+  return s;
+}
+
+template <int MR, int NR>
+static inline void invariant_tile(const float* x, const float* w, float* y, int64_t m0, int64_t n0, int64_t K,
+                                  int64_t N, const float* bias) {
+  constexpr int64_t V = Vec::size();
+  Vec acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
+  int64_t k = 0;
+  for (; k + V <= K; k += V) {
+    Vec wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = Vec::loadu(w + (n0 + j) * K + k);
+    for (int i = 0; i < MR; ++i) {
+      Vec xv = Vec::loadu(x + (m0 + i) * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = invariant_dot_tail(x + (m0 + i) * K, w + (n0 + j) * K, k, K, hsum_vec(acc[i][j]));
+      y[(m0 + i) * N + n0 + j] = s + (bias ? bias[n0 + j] : 0.f);
+    }
+}
+
+torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "invariant_linear is fp32 only");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t NB = 32;  // weight rows per task: ~72 KB of a 576-wide layer, kept in L2 for all rows of x
+  constexpr int64_t MB = 64;  // rows of x per pass over a weight block
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n_begin = nb * NB, n_end = std::min(N, n_begin + NB);
+      for (int64_t m_begin = 0; m_begin < M; m_begin += MB) {
+        const int64_t m_end = std::min(M, m_begin + MB);
+        int64_t n = n_begin;
+        for (; n + 2 <= n_end; n += 2) {
+          int64_t m = m_begin;
+          for (; m + 4 <= m_end; m += 4) invariant_tile<4, 2>(xp, wp, yp, m, n, K, N, bp);
+          for (; m < m_end; ++m) invariant_tile<1, 2>(xp, wp, yp, m, n, K, N, bp);
+        }
+        for (; n < n_end; ++n) {
+          int64_t m = m_begin;
+          for (; m + 4 <= m_end; m += 4) invariant_tile<4, 1>(xp, wp, yp, m, n, K, N, bp);
+          for (; m < m_end; ++m) invariant_tile<1, 1>(xp, wp, yp, m, n, K, N, bp);
+        }
+      }
+    }
+  });
+  return y;
+}

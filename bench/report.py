@@ -1,0 +1,62 @@
+"""What every benchmark shares: tables, the docs section it owns, the command that reproduces it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+DOCS = REPO / "docs" / "BENCHMARKS.md"
+console = Console()
+
+_DOCS_INTRO = ("# Benchmarks\n\nResults of the scripts in `bench/`, each between its own markers and rewritten by "
+               "its script; edit the scripts, not these sections. Raw numbers are in `bench/results/`.\n")
+
+
+def invocation(module: str) -> str:
+    """The command line that reproduces this run, relative to the repository root."""
+    python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable
+    return shlex.join([python, "-m", module, *sys.argv[1:]])
+
+
+def print_table(title: str, headers: list[str], rows: list[tuple]) -> None:
+    table = Table(title=title, title_justify="left")
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    console.print(table)
+
+
+def markdown_table(title: str, headers: list[str], rows: list[tuple]) -> str:
+    lines = [f"**{title}**", "", "| " + " | ".join(headers) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def update_docs_section(key: str, body: str) -> None:
+    """Replace (or append) the section between `<!-- key:start -->` and `<!-- key:end -->`."""
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    text = DOCS.read_text() if DOCS.exists() else _DOCS_INTRO
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(text)

@@ -1,0 +1,117 @@
+"""The three workloads through the real Kafka and Redis: chat streaming, ASR streams, risk scoring."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from schemas import AsrRequest, Delta, RiskItem, RiskRequest, decode_delta
+from tests.integration.worker_harness import chat, send_and_collect
+from worker.client import TopicReader
+
+pytestmark = pytest.mark.integration
+
+
+def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start(model="smollm2")
+    w.wait_ready(timeout=300)
+    req = chat("s1", "Count from one to ten in words.", max_tokens=40, stream=True)
+
+    async def run():
+        async with TopicReader(kafka_bootstrap, topics.deltas) as deltas:
+            got = await send_and_collect(kafka_bootstrap, topics, [(topics.chat, req, "json")], ["s1"], linger=0.5)
+            pieces: list[Delta] = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (pieces and pieces[-1].finished):
+                pieces += [d for d in (decode_delta(r.value) for r in await deltas.poll()) if d.id == "s1"]
+        return got, pieces
+
+    got, pieces = asyncio.run(run())
+    result = got["s1"][0]
+    assert result.status == "ok" and result.text
+    assert [d.index for d in pieces] == list(range(len(pieces)))
+    assert pieces[-1].finished and pieces[-1].finish_reason == result.finish_reason
+    assert "".join(d.text for d in pieces) == result.text
+
+
+def asr(stream: str, seq: int, text: str, rid: str | None = None) -> AsrRequest:
+    return AsrRequest(id=rid or f"{stream}-{seq}", stream_id=stream, seq=seq, text=text)
+
+
+CHUNKS = ["so the meeting is at ten thirty", "on tuesday in the main conference room", "please bring the budget report"]
+
+
+def test_asr_stream_results_in_seq_order_with_state_in_redis(worker_setup, kafka_bootstrap, redis_url):
+    topics, start = worker_setup
+    w = start(model="smollm2")
+    w.wait_ready(timeout=300)
+    chunks = [asr("st1", i, t) for i, t in enumerate(CHUNKS)]
+    # A duplicate of chunk 1, and chunk 5 whose predecessors never come.
+    sends = [(topics.asr, c, "json") for c in chunks] + [
+        (topics.asr, asr("st1", 1, CHUNKS[1], rid="st1-1-again"), "json"),
+        (topics.asr, asr("st1", 5, "lost in a gap"), "json")]
+    expect = [c.id for c in chunks] + ["st1-1-again", "st1-5"]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, expect, timeout=240, linger=1))
+    results = [got[c.id][0] for c in chunks]
+    assert all(r.status == "ok" for r in results), [r.error for r in results]
+    assert [r.seq for r in results] == [0, 1, 2]
+    for prev, cur in itertools.pairwise(results):
+        assert cur.committed_text.startswith(prev.committed_text)
+    again = got["st1-1-again"][0]
+    assert (again.text, again.committed_text, again.seq) == (results[1].text, results[1].committed_text, 1)
+    assert got["st1-5"][0].error.code == "sequence_gap"
+    # Later chunks reuse the transcript's KV from the prefix cache.
+    assert results[2].usage.cached_tokens > 0
+
+
+def test_asr_stream_continues_on_another_worker(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w1 = start("w1", model="smollm2")
+    w1.wait_ready(timeout=300)
+    first = [asr("mv", i, t) for i, t in enumerate(CHUNKS[:2])]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.asr, c, "json") for c in first],
+                                       [c.id for c in first], timeout=240, linger=0.5))
+    committed = got["mv-1"][0].committed_text
+    w1.stop()
+    w2 = start("w2", model="smollm2")
+    w2.wait_ready(timeout=300)
+    nxt = asr("mv", 2, CHUNKS[2])
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.asr, nxt, "json")], [nxt.id],
+                                       timeout=240, linger=0.5))
+    res = got["mv-2"][0]
+    assert res.status == "ok" and res.worker == "w2"
+    assert res.committed_text.startswith(committed) and len(res.committed_text) > len(committed)
+
+
+def test_risk_request_scores_every_item(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start(model="smollm2")
+    w.wait_ready(timeout=300)
+    items = [RiskItem(id=f"i{k}", text=t) for k, t in enumerate([
+        "Wire of $9,900 to a new overseas account, the third today.", "Monthly rent to the usual landlord.",
+        "Card used in two countries within ten minutes.", "Refund of a coffee order."])]
+    req = RiskRequest(id="risk-1", items=items, labels=["low", "medium", "high"])
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.risk, req, "msgpack")], ["risk-1"],
+                                       timeout=240, linger=0.5))
+    res = got["risk-1"][0]
+    assert res.status == "ok", res.error
+    assert [it.id for it in res.items] == ["i0", "i1", "i2", "i3"]
+    for it in res.items:
+        assert set(it.scores) == {"low", "medium", "high"}
+        assert sum(it.scores.values()) == pytest.approx(1.0, abs=1e-6)
+        assert it.label == max(it.scores, key=it.scores.get)
+
+
+def test_asr_and_risk_errors_are_answered(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start()
+    w.wait_ready()
+    sends = [(topics.risk, b'{"id": "no-items", "kind": "risk", "items": [], "labels": ["a"]}', "json"),
+             (topics.asr, b'{"id": "neg-seq", "kind": "asr", "stream_id": "x", "seq": -1, "text": "t"}', "json")]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, ["no-items", "neg-seq"], linger=0.5))
+    assert got["no-items"][0].error.code == "invalid_request"
+    assert got["neg-seq"][0].error.code == "invalid_request"

@@ -1,0 +1,127 @@
+"""Streaming ASR post-correction: correct each chunk in the light of the stream so far.
+
+Stream state (committed corrected text, last seq, owner) lives in Redis, so
+any worker can continue any stream. Chunks of a stream share a key, so they
+arrive in order on one partition; still:
+- a chunk whose seq was already committed gets the stored result again, and is
+  never corrected twice;
+- a chunk that skips ahead waits (without blocking other requests) until its
+  predecessor is committed, here or on another worker, or until
+  `asr.gap_timeout_s`, then gets `sequence_gap`.
+The prompt puts the committed transcript before the new chunk, so the KV of
+the transcript comes from the prefix cache on the worker that holds the
+stream; per chunk only the previous correction and the new chunk are
+prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from engine import MaskSpec, RequestError, RequestOutput, SamplingParams
+from schemas import AsrRequest, Result, SchemaError, Usage, decode_result, encode
+from worker.handlers import HandlerContext, Prepared, Work
+from worker.redis_state import StateUnavailable
+
+INSTRUCTION = ("You correct speech-recognition transcripts. Fix misheard words, casing and punctuation in the new "
+               "chunk so it reads well after the transcript so far. Reply with the corrected chunk only.")
+CHUNK_MARK = "\x00CHUNK\x00"
+
+
+class AsrHandler:
+    kind = "asr"
+    defer_prepare = True  # prepare() may wait for a predecessor chunk
+
+    def __init__(self) -> None:
+        self._committed: dict[str, asyncio.Event] = {}
+
+    async def prepare(self, req: AsrRequest, ctx: HandlerContext) -> Prepared:
+        redis = ctx.redis
+        stored = await self._stored(ctx, req)
+        if stored is not None:
+            return Prepared(result=stored)
+        deadline = time.monotonic() + ctx.config.asr.gap_timeout_s
+        while True:
+            if not redis.healthy:
+                raise RequestError("stream state is unavailable (Redis is down); retry the chunk later",
+                                   code="overloaded")
+            state = await redis.get_stream(req.stream_id)
+            last = state.last_seq if state else -1
+            if req.seq == last + 1:
+                break
+            if req.seq <= last:
+                stored = await self._stored(ctx, req)
+                if stored is not None:
+                    return Prepared(result=stored)
+                raise RequestError(f"chunk {req.seq} of stream {req.stream_id!r} was committed already and its "
+                                   "result has expired", code="invalid_request")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestError(f"chunk {req.seq} of stream {req.stream_id!r} waited "
+                                   f"{ctx.config.asr.gap_timeout_s:g}s for chunk {last + 1}", code="sequence_gap")
+            # Woken at once by a commit on this worker; a commit elsewhere is seen on the next poll.
+            event = self._committed.setdefault(req.stream_id, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=min(0.2, remaining))
+        committed = state.text if state else ""
+        tokens, mask = self._prompt(ctx, committed, req.text)
+        chunk_tokens = len(ctx.tokenizer.encode(req.text, add_special_tokens=False))
+        if len(tokens) + 2 * chunk_tokens + 16 >= ctx.max_model_len:
+            raise RequestError(f"stream {req.stream_id!r} outgrew max_seq_len ({ctx.max_model_len} tokens)",
+                               code="prompt_too_long")
+        params = SamplingParams(max_tokens=2 * chunk_tokens + 16, temperature=0.0, stop=("\n",))
+        return Prepared(work=[Work(tokens, params, mask)], state=committed)
+
+    def _prompt(self, ctx: HandlerContext, committed: str, chunk: str) -> tuple[list[int], MaskSpec]:
+        tok = ctx.tokenizer
+        messages = [{"role": "system", "content": INSTRUCTION},
+                    {"role": "user", "content": f"Transcript so far: {committed}\nNew chunk: {CHUNK_MARK}"}]
+        head, _, tail = tok.apply_chat_template(messages).partition(CHUNK_MARK)
+        head_ids = tok.encode(head, add_special_tokens=False)
+        chunk_ids = tok.encode(chunk, add_special_tokens=False)
+        tail_ids = tok.encode(tail, add_special_tokens=False)
+        policy = ctx.config.asr.mask_policy
+        mask = MaskSpec("chunk_bidirectional", start=len(head_ids), end=len(head_ids) + len(chunk_ids)) \
+            if policy == "chunk_bidirectional" else MaskSpec()
+        return head_ids + chunk_ids + tail_ids, mask
+
+    async def _stored(self, ctx: HandlerContext, req: AsrRequest) -> Result | None:
+        raw = await ctx.redis.get_chunk_result(req.stream_id, req.seq)
+        if raw is None:
+            return None
+        try:
+            stored = decode_result(raw)
+        except SchemaError:
+            return None
+        return stored if stored.id == req.id else _with_id(stored, req.id)
+
+    async def finish(self, req: AsrRequest, prepared: Prepared, outputs: list[RequestOutput],
+                     ctx: HandlerContext) -> Result:
+        (out,) = outputs
+        corrected = out.text.strip() or req.text.strip()
+        committed = f"{prepared.state} {corrected}".strip()
+        result = Result(id=req.id, kind="asr", text=corrected, finish_reason=out.finish_reason,
+                        stream_id=req.stream_id, seq=req.seq, committed_text=committed,
+                        usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                                    cached_tokens=out.num_cached_tokens))
+        try:
+            applied = await ctx.redis.commit_chunk(req.stream_id, req.seq, committed, encode(result, "msgpack"))
+        except StateUnavailable as exc:
+            raise RequestError(f"stream state could not be saved ({exc}); retry the chunk", code="overloaded") from exc
+        if applied.status == "duplicate" and applied.result:
+            return decode_result(applied.result)  # another worker finished it first: one answer only
+        if applied.status == "out_of_order":
+            raise RequestError(f"stream {req.stream_id!r} moved on while chunk {req.seq} was corrected",
+                               code="sequence_gap")
+        event = self._committed.pop(req.stream_id, None)
+        if event is not None:
+            event.set()
+        return result
+
+
+def _with_id(result: Result, request_id: str) -> Result:
+    import msgspec
+
+    return msgspec.structs.replace(result, id=request_id)
