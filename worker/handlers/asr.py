@@ -111,7 +111,8 @@ class AsrHandler:
         except StateUnavailable as exc:
             raise RequestError(f"stream state could not be saved ({exc}); retry the chunk", code="overloaded") from exc
         if applied.status == "duplicate" and applied.result:
-            return decode_result(applied.result)  # another worker finished it first: one answer only
+            # Another copy of this chunk was committed first: answer with what it stored.
+            return _with_id(decode_result(applied.result), req.id)
         if applied.status == "out_of_order":
             raise RequestError(f"stream {req.stream_id!r} moved on while chunk {req.seq} was corrected",
                                code="sequence_gap")
