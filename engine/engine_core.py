@@ -58,7 +58,8 @@ class EngineCore:
         self.tokenizer = Tokenizer(self.model_path, mc.eos_token_ids) if (self.model_path / "tokenizer.json").is_file() else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
 
-        backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                 config.block_size)
         max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.model = load_model(self.model_path, mc, backend, max_positions, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
