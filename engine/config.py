@@ -45,6 +45,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    # "safetensors" loads the checkpoint; "dummy" fills random weights from config.json
+    # alone (benchmarks of model shapes we have no weights for).
+    load_format: str = "safetensors"
+    # Capture decode steps as CUDA graphs per batch-size bucket (CUDA only).
+    cuda_graphs: bool = True
     # Deterministic requests prefill in chunks on this fixed grid of rows, so their
     # chunking never depends on what else is scheduled.
     deterministic_chunk: int = 256
@@ -63,6 +68,8 @@ class EngineConfig:
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.max_cache_ratio <= 1:
             raise InvalidRequestError(f"max_cache_ratio must be in (0, 1], got {self.max_cache_ratio}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise InvalidRequestError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
         if self.kv_cache_policy != "lru":
             raise InvalidRequestError(f"kv_cache_policy must be 'lru', got {self.kv_cache_policy!r}")
         if self.weight_bits not in (16, 8, 4):

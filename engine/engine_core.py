@@ -22,7 +22,7 @@ from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.models.loader import load_model
+from engine.models.loader import dummy_model, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -61,7 +61,10 @@ class EngineCore:
         backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                                  config.block_size)
         max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = load_model(self.model_path, mc, backend, max_positions, self.dtype, self.device)
+        if config.load_format == "dummy":
+            self.model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
+        else:
+            self.model = load_model(self.model_path, mc, backend, max_positions, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype, weight_bytes)
         self.max_model_len = self.layout.max_model_len
@@ -74,6 +77,15 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.deterministic_grid)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        if self.device.type == "cuda" and config.cuda_graphs:
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.block_size, scratch_block=self.layout.num_blocks,
+                max_blocks=-(-self.max_model_len // config.block_size), max_batch=config.max_num_seqs,
+                device=self.device)
+            with torch.inference_mode():
+                self.runner.graphs.capture()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()

@@ -51,5 +51,7 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
 
 
 def allocate_kv_caches(layout: CacheLayout, model: ModelConfig) -> list[torch.Tensor]:
-    shape = (2, layout.num_blocks, layout.block_size, model.num_kv_heads, model.head_dim)
+    # One block more than the block manager hands out: block `num_blocks` is scratch,
+    # where padded rows (CUDA-graph buckets) write without touching anyone's KV.
+    shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)
     return [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(model.num_layers)]

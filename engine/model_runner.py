@@ -38,6 +38,9 @@ class ModelRunner:
         self.device = device
         # Reference tests set this to compare logits with another implementation.
         self.capture_logits = False
+        # Decode steps replayed from CUDA graphs (engine.cuda_graphs), when the engine sets them up.
+        self.graphs = None
+        self._pinned: dict[str, torch.Tensor] = {}
         self.last_logits: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
@@ -48,10 +51,14 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(decodes, prefills)
         invariant = any(s.params.deterministic for s in ordered)
         with batch_invariant(invariant):
-            return self._run(ordered, input_ids, positions, meta)
+            if self.graphs is not None and not prefills and not invariant and self.graphs.can_run(len(decodes)):
+                hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                         meta.decode_seq_lens)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            return self._finish(ordered, hidden)
 
-    def _run(self, ordered, input_ids, positions, meta) -> RunnerOutput:
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+    def _finish(self, ordered, hidden: torch.Tensor) -> RunnerOutput:
 
         rows, sampling = [], []
         score_rows: list[int] = []
@@ -121,9 +128,8 @@ class ModelRunner:
                 token_start=len(ids) - n, num_tokens=n, num_cached=s.start,
                 block_table=torch.from_numpy(table[: -(-(s.start + n) // bs)]).to(self.device), mask=s.mask,
             ))
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            slot_mapping=self._upload("slots", np.concatenate(slot_chunks)),
             num_decodes=nd,
             prefills=spans,
         )
@@ -134,9 +140,24 @@ class ModelRunner:
             for i, s in enumerate(decodes):
                 n = -(-seq_lens[i] // bs)
                 tables[i, :n] = s.block_table[:n]
-            meta.decode_block_tables = torch.from_numpy(tables).to(dev)
-            meta.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+            meta.decode_block_tables = self._upload("tables", tables)
+            meta.decode_seq_lens = self._upload("lens", np.asarray(seq_lens, dtype=np.int64))
             meta.decode_max_len = max(seq_lens)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos_chunks)).to(dev)
+        input_ids = self._upload("ids", np.asarray(ids, dtype=np.int64))
+        positions = self._upload("positions", np.concatenate(pos_chunks))
         return input_ids, positions, meta
+
+    def _upload(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """A step input on the device. On CUDA it goes through a reused pinned buffer with a
+        non-blocking copy, so building the next inputs overlaps the transfer; the step's
+        sampling synchronises before the buffer is reused."""
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < host.numel():
+            buf = torch.empty(max(host.numel(), 4096), dtype=host.dtype).pin_memory()
+            self._pinned[name] = buf
+        staged = buf[:host.numel()].view(host.shape)
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)

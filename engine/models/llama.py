@@ -65,7 +65,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from engine.models.fused_ops import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -78,6 +83,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
+        if x.is_cuda:
+            # Fused on the GPU: the residual add and the next norm in one pass over the hidden state.
+            from engine.models.fused_ops import add_rms_norm
+
+            h, _ = add_rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+            attn = self.self_attn(h, positions, rope, kv_cache, meta)
+            h, x = add_rms_norm(attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, x)
+            return x + self.mlp(h)
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

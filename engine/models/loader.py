@@ -50,6 +50,23 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def dummy_model(cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """The model with random weights made directly on the device (no checkpoint read)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions, dtype, torch.device("meta"))
+    model.rope = type(model.rope)(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        value = torch.empty(param.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            value.fill_(1.0)
+        else:
+            value.normal_(0.0, 0.02, generator=gen)
+        _assign(model, name, value)
+    return model.eval()
+
+
 def load_model(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     with torch.device("meta"):

@@ -131,3 +131,10 @@ def test_unknown_engine_option_is_a_clear_error(tiny_llama):
 
     with pytest.raises(InvalidRequestError, match="unknown engine option"):
         LLM(model=str(tiny_llama), max_num_seq=3)
+
+
+def test_dummy_load_format_needs_only_config_json(tmp_path, tiny_llama):
+    (tmp_path / "config.json").write_text((tiny_llama / "config.json").read_text())
+    llm = LLM(model=str(tmp_path), dtype="float32", load_format="dummy", num_kv_blocks=16)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 4

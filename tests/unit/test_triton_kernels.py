@@ -94,3 +94,21 @@ def test_the_triton_backend_generates_what_the_torch_backend_does(tiny_llama):
         assert a.token_ids == b.token_ids
         for (lp_a, _), (lp_b, _) in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(lp_a - lp_b) < 1e-4
+
+
+def test_fused_add_rms_norm_and_silu_mul_match_torch():
+    import torch.nn.functional as F
+
+    from engine.models.fused_ops import add_rms_norm, silu_mul
+
+    torch.manual_seed(3)
+    x, res, w = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
+    out, summed = add_rms_norm(x, w, 1e-6, res)
+    ref_sum = x + res
+    torch.testing.assert_close(summed, ref_sum)
+    torch.testing.assert_close(out, F.rms_norm(ref_sum, (48,), w, 1e-6), atol=1e-5, rtol=1e-5)
+    out_nores, same = add_rms_norm(x, w, 1e-6)
+    assert same is x  # no residual: the input is the sum
+    torch.testing.assert_close(out_nores, F.rms_norm(x, (48,), w, 1e-6), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(4, 2 * 40)
+    torch.testing.assert_close(silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:], atol=1e-6, rtol=1e-5)
