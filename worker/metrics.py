@@ -292,6 +292,16 @@ class WorkerMetrics:
         for bucket in BATCH_BUCKET_LABELS:
             self.batches.labels(bucket=bucket)
 
+    def declare_label_values(self, *, topics=(), redis_ops=(), rules=()) -> None:
+        """Create the zero series of open labels known at start-up (topics, Redis ops, rule kinds),
+        so dashboards and alerts see them before their first event."""
+        for topic in topics:
+            self.consumer_lag.labels(topic=self._topic(topic)).set(0)
+        for op in redis_ops:
+            self.redis_errors.labels(op=self._redis_op(op))
+        for rule in rules:
+            self.rule_violations.labels(rule=self._rule(rule))
+
     # -- identity ---------------------------------------------------------
 
     def set_worker_info(self, worker_id: str, model: str, version: str) -> None:

@@ -92,6 +92,11 @@ _IndexOp = tuple[Literal["store", "remove", "clear"], tuple[int, ...]]
 CommitStatus = Literal["applied", "duplicate", "out_of_order"]
 
 
+# Every op name counted through `on_error` (a bounded metric label set).
+REDIS_OPS = ("kv_events", "index_refresh", "lookup", "longest_prefix", "live_workers", "heartbeat", "get_stream",
+             "get_chunk_result", "claim_stream", "commit_chunk", "ping", "deregister")
+
+
 class StateUnavailable(RuntimeError):
     """Redis could not record ASR stream state; the caller must not act as if it had."""
 
@@ -301,6 +306,26 @@ class RedisState:
         """
         if self._task is not None:
             return
+        error = await self._first_ping()
+        if error is not None:
+            self._count_error("ping")
+            log.warning("redis unreachable at %s (%s); starting degraded", self._address, self._describe(error))
+        else:
+            self._set_healthy(True)
+            await self._flush()
+            await self.heartbeat_now()
+        self._task = asyncio.create_task(self._run(), name=f"redis-state-{self._worker_id}")
+
+    async def check_credentials(self) -> bool:
+        """Pings once and writes nothing: True if Redis let us in, False if it did not answer.
+
+        Raises `RedisAuthError`, as `start()` does, when Redis rejects the credentials; a
+        worker calls it before loading its model, so a wrong password costs seconds.
+        """
+        return await self._first_ping() is None
+
+    async def _first_ping(self) -> BaseException | None:
+        """None if Redis answered, else why not; a refused login raises RedisAuthError instead."""
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 await self._client.ping()
@@ -312,13 +337,8 @@ class RedisState:
                 f"{self._describe(exc).rstrip('.')}. Check the configured Redis username and password."
             ) from None
         except (*_UNAVAILABLE, rexc.RedisError) as exc:
-            self._count_error("ping")
-            log.warning("redis unreachable at %s (%s); starting degraded", self._address, self._describe(exc))
-        else:
-            self._set_healthy(True)
-            await self._flush()
-            await self.heartbeat_now()
-        self._task = asyncio.create_task(self._run(), name=f"redis-state-{self._worker_id}")
+            return exc
+        return None
 
     async def stop(self, *, deregister: bool = True) -> None:
         """Stops the background task, flushes buffered events, and closes the connections.

@@ -52,6 +52,8 @@ from worker.kafka_clients import check_kafka_access, client_kwargs
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
 from worker.publisher import AtLeastOncePublisher, DeltaPublisher, PartitionLost, TransactionalPublisher
+from worker.redis_state import REDIS_OPS
+from worker.rules import RULE_KINDS
 
 log = structlog.get_logger("infinilm.worker")
 CONTENT_TYPE = {"json": b"application/json", "msgpack": b"application/msgpack"}
@@ -91,6 +93,8 @@ class Worker:
         self.engine = engine or EngineCore(config.engine_config())
         self.model_name = config.model.name
         self.metrics.set_worker_info(self.worker_id, self.model_name, _version())
+        self.metrics.declare_label_values(topics=config.topics.request_topics.values(), redis_ops=REDIS_OPS,
+                                          rules=RULE_KINDS)
         self.handlers: dict[str, Handler] = {"chat": ChatHandler(), "risk": RiskHandler(), "asr": AsrHandler()}
         self.topics = config.topics
         self._kind_topics = config.topics.request_topics

@@ -74,7 +74,7 @@ def test_prometheus_scrapes_the_worker_and_rules_and_panels_use_exported_metrics
         series: list[dict] = []
         while time.monotonic() < deadline:
             try:
-                series = query(port, 'infinilm_requests_total{job="infinilm-worker",status="ok"}')
+                series = query(port, 'infinilm_requests_total{job="infinilm-worker",kind="chat",status="ok"}')
                 if series and float(series[0]["value"][1]) >= 6:
                     break
             except OSError:
