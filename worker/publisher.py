@@ -76,7 +76,7 @@ class TransactionalPublisher:
         tp = TopicPartition(release.topic, release.partition)
         producer = self._producers.get(tp)
         if producer is None:
-            raise PartitionLost(f"{tp} is not assigned to this worker")
+            return False  # not started yet, or being restarted after an error: `ensure` retries it
         try:
             await producer.begin_transaction()
             for rec in release.records:

@@ -560,9 +560,11 @@ class Worker:
             self.consumer.resume(*assigned)
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        # Producers first: their InitProducerId fences the previous owner and completes its
+        # open transaction before this worker takes on the partition's records.
+        await self.publisher.add_partitions(sorted(assigned))
         for tp in assigned:
             self.trackers.setdefault(tp, PartitionTracker(tp.topic, tp.partition))
-        await self.publisher.add_partitions(sorted(assigned))
         if self._paused or self._stopping.is_set():
             # Pausing is lost on reassignment; keep not fetching while full.
             self.consumer.pause(*assigned)

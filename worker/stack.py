@@ -5,6 +5,11 @@ The CLI (`infinilm stack ...`), the integration tests and CI start and stop the
 stack through these functions only, so there is a single code path to keep
 working. Kafka runs from jars that Maven fetches once into a cache
 (ops/local/kafka/pom.xml picks the version); Redis is the system redis-server.
+
+By default nothing is authenticated. A StackConfig with SASL users (and
+optionally a TLS port and a Redis password) starts a secured stack instead;
+worker/stack_security.py describes its listeners. Run a secured stack in its
+own state folder and on its own ports.
 """
 
 from __future__ import annotations
@@ -12,18 +17,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
-import contextlib
-import fcntl
 import logging
 import os
+import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +32,32 @@ from typing import Any, TypeVar
 import redis
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from worker.stack_processes import (
+    Progress,
+    StackError,
+    port_open,
+    read_pid,
+    spawn_detached,
+    state_lock,
+    stop_process,
+    tail,
+    wait_for,
+)
+from worker.stack_security import (
+    SASL_MECHANISM,
+    SaslUsers,
+    check_redis_password,
+    client_security_kwargs,
+    ensure_tls_material,
+    normalize_sasl_users,
+    server_security_properties,
+    storage_format_argfile,
+    users_fingerprint,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +72,7 @@ DEFAULT_TOPICS: tuple[str, ...] = (
 
 KAFKA_OPS_DIR = Path(__file__).resolve().parents[1] / "ops" / "local" / "kafka"
 
-Progress = Callable[[str], None]
 T = TypeVar("T")
-
-
-class StackError(RuntimeError):
-    """The local stack could not be fetched, started or stopped; the message names the log to read."""
 
 
 def default_cache_dir() -> Path:
@@ -80,24 +102,65 @@ class StackConfig:
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 30.0
     fetch_timeout_s: float = 900.0
+    # Security, all off by default. (name, password) pairs, or a mapping: the broker then takes
+    # only SASL/SCRAM-SHA-512 logins. The first user is the stack's own (the broker logs in to
+    # itself with it, and the stack creates topics with it). Users are fixed when the storage
+    # is formatted: a state folder keeps the users it was first started with.
+    sasl_users: SaslUsers = field(default=(), repr=False)
+    # A second client listener, SASL_SSL, with a certificate from a CA made in state_dir/tls.
+    kafka_tls_port: int | None = None
+    redis_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Accept str paths from callers; normalising at construction is not mutation of a live config.
         object.__setattr__(self, "state_dir", Path(self.state_dir).expanduser())
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
         object.__setattr__(self, "topics", tuple(self.topics))
+        object.__setattr__(self, "sasl_users", normalize_sasl_users(self.sasl_users))
         if self.partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {self.partitions}")
-        for name in ("kafka_port", "controller_port", "redis_port"):
+        ports = ["kafka_port", "controller_port", "redis_port"]
+        if self.kafka_tls_port is not None:
+            ports.append("kafka_tls_port")
+            if not self.sasl_users:
+                raise ValueError("kafka_tls_port needs sasl_users: the TLS listener is SASL_SSL")
+        for name in ports:
             port = getattr(self, name)
             if not 0 < port < 65536:
                 raise ValueError(f"{name} must be a TCP port, got {port}")
-        if self.kafka_port == self.controller_port:
-            raise ValueError("kafka_port and controller_port must differ")
+        kafka_ports = [getattr(self, name) for name in ports if name != "redis_port"]
+        if len(set(kafka_ports)) != len(kafka_ports):
+            raise ValueError("kafka_port, controller_port and kafka_tls_port must differ")
+        if self.redis_password is not None:
+            check_redis_password(self.redis_password)
 
     @property
     def bootstrap_servers(self) -> str:
         return f"{self.kafka_host}:{self.kafka_port}"
+
+    @property
+    def tls_bootstrap_servers(self) -> str | None:
+        return None if self.kafka_tls_port is None else f"{self.kafka_host}:{self.kafka_tls_port}"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.state_dir / "tls"
+
+    @property
+    def tls_cafile(self) -> Path:
+        """The CA that signed the broker's certificate; clients of the TLS listener trust it."""
+        return self.tls_dir / "ca.pem"
+
+    def kafka_client_kwargs(self, user: str | None = None, *, tls: bool = False) -> dict:
+        """aiokafka security keyword arguments for one of this stack's users ({} when unsecured).
+
+        `tls` picks the SASL_SSL listener: pair it with `bootstrap_servers=tls_bootstrap_servers`.
+        """
+        if not self.sasl_users:
+            return {}
+        if tls and self.kafka_tls_port is None:
+            raise ValueError("this stack has no TLS listener (kafka_tls_port is None)")
+        return client_security_kwargs(self.sasl_users, self.tls_cafile if tls else None, user=user)
 
     @property
     def redis_url(self) -> str:
@@ -126,6 +189,10 @@ class StackConfig:
     @property
     def kafka_console_log(self) -> Path:
         return self.logs_dir / "kafka-console.log"
+
+    @property
+    def kafka_users_marker(self) -> Path:
+        return self.state_dir / "kafka" / "sasl-users.fingerprint"
 
     @property
     def redis_dir(self) -> Path:
@@ -172,7 +239,7 @@ def stack_up(cfg: StackConfig | None = None, *, progress: Progress | None = None
     """
     cfg = cfg or StackConfig()
     say = progress or log.info
-    with _state_lock(cfg):
+    with state_lock(cfg.state_dir, cfg.fetch_timeout_s + cfg.start_timeout_s):
         cfg.logs_dir.mkdir(parents=True, exist_ok=True)
         if _redis_ping(cfg):
             say(f"Redis already answers on {cfg.redis_host}:{cfg.redis_port}; reusing it")
@@ -180,20 +247,18 @@ def stack_up(cfg: StackConfig | None = None, *, progress: Progress | None = None
             _start_redis(cfg, say)
             # Redis answers within milliseconds; a short wait also covers a failed bind, after
             # which a daemonized redis-server leaves no pid to watch.
-            _wait_for(
-                lambda: _redis_ping(cfg), "Redis", [cfg.redis_log], min(15.0, cfg.start_timeout_s), None
-            )
+            wait_for(lambda: _redis_ping(cfg), "Redis", [cfg.redis_log], min(15.0, cfg.start_timeout_s), None)
 
         if _kafka_answers(cfg):
             say(f"Kafka already answers on {cfg.bootstrap_servers}; reusing it")
         else:
-            pid = _read_pid(cfg.kafka_pid_file, "kafka.Kafka")
+            pid = read_pid(cfg.kafka_pid_file, "kafka.Kafka")
             if pid is None:
                 pid = _start_kafka(cfg, say)
             say(f"Waiting for Kafka on {cfg.bootstrap_servers} (pid {pid})")
             # WARN and ERROR only, so its tail names the cause; server.log has the full story.
             logs = [cfg.kafka_console_log, cfg.kafka_log]
-            _wait_for(lambda: _kafka_answers(cfg), "Kafka", logs, cfg.start_timeout_s, pid)
+            wait_for(lambda: _kafka_answers(cfg), "Kafka", logs, cfg.start_timeout_s, pid)
 
         ensure_topics(cfg, cfg.topics, cfg.partitions)
     return stack_status(cfg)
@@ -206,24 +271,27 @@ def stack_down(cfg: StackConfig | None = None, *, progress: Progress | None = No
     """
     cfg = cfg or StackConfig()
     say = progress or log.info
-    with _state_lock(cfg):
-        _stop(cfg.kafka_pid_file, "Kafka", "kafka.Kafka", cfg, say)
-        _stop(cfg.redis_pid_file, "Redis", "redis-server", cfg, say)
+    with state_lock(cfg.state_dir, cfg.fetch_timeout_s + cfg.start_timeout_s):
+        stop_process(cfg.kafka_pid_file, "Kafka", "kafka.Kafka", cfg.stop_timeout_s, say)
+        stop_process(cfg.redis_pid_file, "Redis", "redis-server", cfg.stop_timeout_s, say)
 
 
 def stack_status(cfg: StackConfig | None = None) -> StackStatus:
     """Probe both services without starting or stopping anything."""
     cfg = cfg or StackConfig()
-    kafka_pid = _read_pid(cfg.kafka_pid_file, "kafka.Kafka")
+    kafka_pid = read_pid(cfg.kafka_pid_file, "kafka.Kafka")
     kafka_up = _kafka_answers(cfg)
     topics: dict[str, int] = {}
     kafka_detail = _ownership(kafka_up, kafka_pid, f"Kafka {kafka_version()}" if kafka_pid else "Kafka")
+    if cfg.sasl_users:
+        tls = f", SASL_SSL on {cfg.tls_bootstrap_servers}" if cfg.kafka_tls_port is not None else ""
+        kafka_detail += f"; SASL_PLAINTEXT ({SASL_MECHANISM}){tls}"
     if kafka_up:
         try:
             topics = _run(_describe_topics(cfg, cfg.topics, timeout_s=5.0))
         except Exception as exc:  # status reports a sick broker instead of crashing on it
             kafka_detail = f"metadata failed: {type(exc).__name__}: {exc}"
-    redis_pid = _read_pid(cfg.redis_pid_file, "redis-server")
+    redis_pid = read_pid(cfg.redis_pid_file, "redis-server")
     redis_up = _redis_ping(cfg)
     return StackStatus(
         kafka=ServiceStatus(
@@ -240,7 +308,7 @@ def stack_status(cfg: StackConfig | None = None) -> StackStatus:
             up=redis_up,
             pid=redis_pid,
             log_path=cfg.redis_log,
-            detail=_ownership(redis_up, redis_pid, "redis-server"),
+            detail=_ownership(redis_up, redis_pid, "redis-server") + ("; AUTH" if cfg.redis_password else ""),
         ),
         topics=topics,
     )
@@ -307,7 +375,7 @@ def ensure_kafka_libs(cfg: StackConfig | None = None, *, progress: Progress | No
         ) from exc
     if done.returncode != 0 or not any(partial.glob("kafka_2.13-*.jar")):
         shutil.rmtree(partial, ignore_errors=True)
-        raise StackError(f"Maven failed to fetch Kafka {version}:\n{_tail(done.stdout + done.stderr)}")
+        raise StackError(f"Maven failed to fetch Kafka {version}:\n{tail(done.stdout + done.stderr)}")
     (partial / ".complete").write_text(version + "\n")
     if (libs / ".complete").exists():  # someone else finished first; theirs may be in use
         shutil.rmtree(partial, ignore_errors=True)
@@ -325,7 +393,7 @@ def ensure_kafka_libs(cfg: StackConfig | None = None, *, progress: Progress | No
 # -------------------------------------------------------------------- Kafka
 
 
-def _server_properties(cfg: StackConfig) -> str:
+def _server_properties(cfg: StackConfig, security: Mapping[str, str] | None = None) -> str:
     props = {
         "process.roles": "broker,controller",
         "node.id": "1",
@@ -358,8 +426,64 @@ def _server_properties(cfg: StackConfig) -> str:
         "auto.create.topics.enable": "false",
         "log.retention.hours": "24",
         "log.segment.bytes": str(64 * 1024 * 1024),
+        **(security or {}),
     }
     return "".join(f"{key}={value}\n" for key, value in props.items())
+
+
+def _security_properties(cfg: StackConfig, say: Progress) -> dict[str, str]:
+    keystore = None
+    if cfg.kafka_tls_port is not None:
+        say(f"Using the TLS CA in {cfg.tls_dir} (clients trust {cfg.tls_cafile})")
+        _, keystore = ensure_tls_material(cfg.tls_dir, [cfg.kafka_host])
+    return server_security_properties(
+        cfg.kafka_host,
+        cfg.kafka_port,
+        cfg.controller_port,
+        cfg.kafka_tls_port,
+        cfg.sasl_users[0],
+        # Checked only between this process's broker and controller halves: a new one each start.
+        controller_password=secrets.token_urlsafe(24),
+        tls_keystore=keystore,
+    )
+
+
+def _check_formatted_users(cfg: StackConfig) -> None:
+    try:
+        salt, fingerprint = cfg.kafka_users_marker.read_text().split()
+    except (OSError, ValueError):
+        salt, fingerprint = "", None
+    if fingerprint != users_fingerprint(cfg.sasl_users, salt):
+        raise StackError(
+            f"the Kafka storage in {cfg.kafka_data_dir} was formatted with other SASL users (or none). "
+            f"Users are fixed when the storage is formatted: use another state folder, or delete "
+            f"{cfg.state_dir / 'kafka'} to start over"
+        )
+
+
+def _format_storage(cfg: StackConfig, java: list[str], say: Progress) -> None:
+    say(f"Formatting Kafka storage in {cfg.kafka_data_dir}")
+    # Kafka's cluster id is 16 random bytes in unpadded url-safe base64. One in 64 starts with
+    # "-", which the tool's parser takes for an option; Kafka's own Uuid.randomUuid skips those too.
+    cluster_id = "-"
+    while cluster_id.startswith("-"):
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    args = ["kafka.tools.StorageTool", "format", "--config", str(cfg.kafka_properties),
+            "--cluster-id", cluster_id, "--ignore-formatted"]  # fmt: skip
+    argfile = cfg.state_dir / "kafka" / "format.args"
+    if cfg.sasl_users:
+        args = [f"@{storage_format_argfile(argfile, args, cfg.sasl_users)}"]
+    try:
+        done = subprocess.run([*java, *args], capture_output=True, text=True, timeout=cfg.start_timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise StackError(f"Formatting Kafka storage timed out; see {cfg.kafka_log}") from exc
+    finally:
+        argfile.unlink(missing_ok=True)
+    if done.returncode != 0:
+        raise StackError(f"Formatting Kafka storage failed:\n{tail(done.stdout + done.stderr)}")
+    if cfg.sasl_users:
+        salt = secrets.token_hex(16)
+        write_private(cfg.kafka_users_marker, f"{salt} {users_fingerprint(cfg.sasl_users, salt)}\n")
 
 
 def _java_argv(cfg: StackConfig, libs: Path) -> list[str]:
@@ -387,41 +511,24 @@ def _start_kafka(cfg: StackConfig, say: Progress) -> int:
     java = _java_argv(cfg, libs)
     cfg.kafka_data_dir.mkdir(parents=True, exist_ok=True)
     cfg.logs_dir.mkdir(parents=True, exist_ok=True)
-    cfg.kafka_properties.write_text(_server_properties(cfg))
-    if not (cfg.kafka_data_dir / "meta.properties").exists():
-        say(f"Formatting Kafka storage in {cfg.kafka_data_dir}")
-        # Kafka's cluster id is 16 random bytes in unpadded url-safe base64.
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        argv = [
-            *java, "kafka.tools.StorageTool", "format", "--config", str(cfg.kafka_properties),
-            "--cluster-id", cluster_id, "--ignore-formatted",
-        ]  # fmt: skip
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=cfg.start_timeout_s)
-        except subprocess.TimeoutExpired as exc:
-            raise StackError(f"Formatting Kafka storage timed out; see {cfg.kafka_log}") from exc
-        if done.returncode != 0:
-            raise StackError(f"Formatting Kafka storage failed:\n{_tail(done.stdout + done.stderr)}")
+    formatted = (cfg.kafka_data_dir / "meta.properties").exists()
+    if formatted and cfg.sasl_users:
+        _check_formatted_users(cfg)
+    if cfg.sasl_users:
+        # It holds the stack user's password (the broker's own login).
+        write_private(cfg.kafka_properties, _server_properties(cfg, _security_properties(cfg, say)))
+    else:
+        cfg.kafka_properties.write_text(_server_properties(cfg))
+    if not formatted:
+        _format_storage(cfg, java, say)
     say(f"Starting Kafka {kafka_version()} on {cfg.bootstrap_servers} (logs in {cfg.logs_dir})")
-    pid = _spawn_detached([*java, "kafka.Kafka", str(cfg.kafka_properties)], cfg.kafka_console_log)
+    pid = spawn_detached([*java, "kafka.Kafka", str(cfg.kafka_properties)], cfg.kafka_console_log)
     cfg.kafka_pid_file.write_text(f"{pid}\n")
     return pid
 
 
-def _spawn_detached(argv: list[str], log_path: Path) -> int:
-    # sh puts the command in the background and exits at once, so the service is re-parented to
-    # init: it outlives the caller, leaves no zombie and no live Popen object behind, and
-    # start_new_session keeps the terminal's Ctrl+C away from it.
-    script = 'log="$1"; shift; "$@" >>"$log" 2>&1 </dev/null & echo $!'
-    done = subprocess.run(
-        ["/bin/sh", "-c", script, "sh", str(log_path), *argv],
-        capture_output=True, text=True, timeout=30, start_new_session=True, check=True,
-    )  # fmt: skip
-    return int(done.stdout.strip())
-
-
 def _kafka_answers(cfg: StackConfig) -> bool:
-    if not _port_open(cfg.kafka_host, cfg.kafka_port):
+    if not port_open(cfg.kafka_host, cfg.kafka_port):
         return False
     try:
         return _run(_kafka_has_broker(cfg))
@@ -435,6 +542,7 @@ async def _with_admin(cfg: StackConfig, timeout_s: float, work: Callable[[AIOKaf
         bootstrap_servers=cfg.bootstrap_servers,
         client_id="infinilm-stack",
         request_timeout_ms=int(timeout_s * 1000),
+        **cfg.kafka_client_kwargs(),
     )
     try:
         async with asyncio.timeout(timeout_s):
@@ -502,7 +610,16 @@ async def _ensure_topics(cfg: StackConfig, names: list[str], partitions: int) ->
 
 
 def _redis_ping(cfg: StackConfig) -> bool:
-    client = redis.Redis(host=cfg.redis_host, port=cfg.redis_port, socket_timeout=2, socket_connect_timeout=2)
+    # No client-side retries: a probe answers now, and redis-py counts a refused login as a
+    # connection error that it would retry with backoff, for seconds.
+    client = redis.Redis(
+        host=cfg.redis_host,
+        port=cfg.redis_port,
+        password=cfg.redis_password,
+        socket_timeout=2,
+        socket_connect_timeout=2,
+        retry=Retry(NoBackoff(), 0),
+    )
     try:
         return bool(client.ping())
     except redis.RedisError:
@@ -518,15 +635,21 @@ def _start_redis(cfg: StackConfig, say: Progress) -> None:
     say(f"Starting redis-server on {cfg.redis_host}:{cfg.redis_port} (log {cfg.redis_log})")
     # Daemonized redis writes its own pid file; persistence is off because the stack holds
     # only caches and state that workers rebuild.
+    conf = []
+    if cfg.redis_password is not None:
+        # From a file, not argv, where `ps` would show it.
+        conf_path = cfg.redis_dir / "auth.conf"
+        write_private(conf_path, f'requirepass "{cfg.redis_password}"\n')
+        conf = [str(conf_path)]
     argv = [
-        server, "--bind", cfg.redis_host, "--port", str(cfg.redis_port), "--daemonize", "yes",
+        server, *conf, "--bind", cfg.redis_host, "--port", str(cfg.redis_port), "--daemonize", "yes",
         "--dir", str(cfg.redis_dir), "--logfile", str(cfg.redis_log), "--pidfile", str(cfg.redis_pid_file),
         "--save", "", "--appendonly", "no",
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise StackError(
-            f"redis-server failed to start; see {cfg.redis_log}:\n{_tail(done.stdout + done.stderr)}"
+            f"redis-server failed to start; see {cfg.redis_log}:\n{tail(done.stdout + done.stderr)}"
         )
 
 
@@ -546,119 +669,12 @@ def _install_redis(say: Progress) -> str:
         done = subprocess.run([*prefix, *step], capture_output=True, text=True, timeout=600, env=env)
         if done.returncode != 0:
             raise StackError(
-                f"`{' '.join(step)}` failed; install redis-server yourself:\n{_tail(done.stdout + done.stderr)}"
+                f"`{' '.join(step)}` failed; install redis-server yourself:\n{tail(done.stdout + done.stderr)}"
             )
     server = shutil.which("redis-server") or "/usr/bin/redis-server"
     if not Path(server).exists():
         raise StackError("apt-get installed redis-server but it is not on PATH")
     return server
-
-
-# ---------------------------------------------------------------- processes
-
-
-def _read_pid(pid_file: Path, marker: str | None = None) -> int | None:
-    """The live pid in pid_file, or None. A marker guards against a pid recycled by another program."""
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if not _pid_alive(pid):
-        return None
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if marker and cmdline.exists():
-        with contextlib.suppress(OSError):
-            if marker.encode() not in cmdline.read_bytes():
-                return None
-    return pid
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still accepts signal 0; it only waits to be reaped, so count it as gone.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
-def _stop(pid_file: Path, name: str, marker: str, cfg: StackConfig, say: Progress) -> None:
-    pid = _read_pid(pid_file, marker)
-    if pid is None:
-        pid_file.unlink(missing_ok=True)
-        say(f"{name}: no process of ours is running")
-        return
-    say(f"Stopping {name} (pid {pid})")
-    os.kill(pid, signal.SIGTERM)
-    if not _wait_gone(pid, cfg.stop_timeout_s):
-        say(f"{name} ignored SIGTERM for {cfg.stop_timeout_s:.0f}s; sending SIGKILL")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        if not _wait_gone(pid, 10.0):
-            raise StackError(f"{name} (pid {pid}) survived SIGKILL")
-    pid_file.unlink(missing_ok=True)
-    say(f"{name} stopped")
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _pid_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-def _wait_for(
-    ready: Callable[[], bool], name: str, logs: Sequence[Path], timeout_s: float, pid: int | None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if pid is not None and not _pid_alive(pid):
-            raise StackError(
-                f"{name} exited during startup; see {' and '.join(map(str, logs))}\n"
-                f"--- last lines of {logs[0]}:\n{_tail_file(logs[0])}"
-            )
-        if time.monotonic() > deadline:
-            raise StackError(
-                f"{name} did not answer within {timeout_s:.0f}s; see {' and '.join(map(str, logs))}"
-            )
-        time.sleep(0.5)
-
-
-def _port_open(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
-        return True
-    return False
-
-
-@contextlib.contextmanager
-def _state_lock(cfg: StackConfig) -> Iterator[None]:
-    # Two `up`s at once (CLI and a test session, or parallel test workers) must not both
-    # start a broker on the same data folder; the lock waits for the other one to finish.
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    timeout_s = cfg.fetch_timeout_s + cfg.start_timeout_s
-    deadline = time.monotonic() + timeout_s
-    with open(cfg.state_dir / ".lock", "w") as handle:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise StackError(
-                        f"another stack command held {handle.name} for {timeout_s:.0f}s"
-                    ) from None
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _ownership(up: bool, pid: int | None, what: str) -> str:
@@ -676,14 +692,3 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()
-
-
-def _tail(text: str, lines: int = 20) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _tail_file(path: Path, lines: int = 20) -> str:
-    try:
-        return _tail(path.read_text(errors="replace"), lines)
-    except OSError:
-        return ""

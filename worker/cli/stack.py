@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.stack import StackConfig, StackError, StackStatus, stack_down, stack_status, stack_up
+from worker.stack_security import read_sasl_users_file, read_secret_file
 
 STATE_DIR_HELP = (
     "Folder for the stack's data, logs and pid files. "
@@ -18,6 +19,27 @@ STATE_DIR_HELP = (
 
 StateDirOption = Annotated[
     Path | None, typer.Option("--state-dir", help=STATE_DIR_HELP, file_okay=False, resolve_path=True)
+]
+# A secured stack is told its ports and where its secrets are; the secrets themselves are
+# never options, since every user can read a command line with `ps`.
+KafkaPortOption = Annotated[int, typer.Option("--kafka-port", help="Kafka's client listener.")]
+ControllerPortOption = Annotated[int, typer.Option("--controller-port", help="Kafka's KRaft controller listener.")]
+RedisPortOption = Annotated[int, typer.Option("--redis-port")]
+TlsPortOption = Annotated[
+    int | None,
+    typer.Option("--tls-port", help="Also serve SASL_SSL here, with a CA made in <state dir>/tls (needs users)."),
+]
+SaslUsersOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--sasl-users-file", exists=True, dir_okay=False,
+        help="File of name:password lines: Kafka then takes only SASL/SCRAM-SHA-512 logins. The first user is "
+        "the stack's own. Users are fixed when a state folder is first formatted.",
+    ),
+]
+RedisPasswordOption = Annotated[
+    Path | None,
+    typer.Option("--redis-password-file", exists=True, dir_okay=False, help="File holding Redis's requirepass."),
 ]
 
 
@@ -45,14 +67,25 @@ def up(
         ),
     ] = 3,
     state_dir: StateDirOption = None,
+    kafka_port: KafkaPortOption = 9092,
+    controller_port: ControllerPortOption = 9093,
+    redis_port: RedisPortOption = 6379,
+    tls_port: TlsPortOption = None,
+    sasl_users_file: SaslUsersOption = None,
+    redis_password_file: RedisPasswordOption = None,
 ) -> None:
     """Start Kafka and Redis (reusing any that already answer), wait until both do, and create the topics.
 
     The first run fetches the Kafka jars with Maven into $INFINILM_CACHE_DIR/kafka (a minute or two).
 
-    Later runs start in seconds. Safe to run again at any time.
+    Later runs start in seconds. Safe to run again at any time. With --sasl-users-file (and
+    --tls-port, --redis-password-file) it starts a secured stack: give it its own --state-dir and ports.
     """
-    cfg = _config(state_dir, partitions=partitions)
+    cfg = _config(
+        state_dir, partitions=partitions, kafka_port=kafka_port, controller_port=controller_port,
+        redis_port=redis_port, tls_port=tls_port, sasl_users_file=sasl_users_file,
+        redis_password_file=redis_password_file,
+    )
     err = Console(stderr=True, log_path=False)
     try:
         with err.status("Starting the local stack") as spinner:
@@ -90,19 +123,48 @@ def down(state_dir: StateDirOption = None) -> None:
         raise typer.Exit(1) from exc
 
 
-def status(state_dir: StateDirOption = None) -> None:
-    """Show whether Kafka and Redis answer, their pids, logs and topics. Exits 1 unless both are up."""
-    cfg = _config(state_dir)
+def status(
+    state_dir: StateDirOption = None,
+    kafka_port: KafkaPortOption = 9092,
+    controller_port: ControllerPortOption = 9093,
+    redis_port: RedisPortOption = 6379,
+    tls_port: TlsPortOption = None,
+    sasl_users_file: SaslUsersOption = None,
+    redis_password_file: RedisPasswordOption = None,
+) -> None:
+    """Show whether Kafka and Redis answer, their pids, logs and topics. Exits 1 unless both are up.
+
+    For a secured stack, pass the ports and secret files that `up` got.
+    """
+    cfg = _config(
+        state_dir, kafka_port=kafka_port, controller_port=controller_port, redis_port=redis_port,
+        tls_port=tls_port, sasl_users_file=sasl_users_file, redis_password_file=redis_password_file,
+    )
     result = stack_status(cfg)
     _print_status(cfg, result)
     if not result.up:
         raise typer.Exit(1)
 
 
-def _config(state_dir: Path | None, **overrides: object) -> StackConfig:
+def _config(
+    state_dir: Path | None,
+    *,
+    tls_port: int | None = None,
+    sasl_users_file: Path | None = None,
+    redis_password_file: Path | None = None,
+    **overrides: object,
+) -> StackConfig:
     if state_dir is not None:
         overrides["state_dir"] = state_dir
-    return StackConfig(**overrides)  # type: ignore[arg-type]
+    try:
+        if sasl_users_file is not None:
+            overrides["sasl_users"] = read_sasl_users_file(sasl_users_file)
+        if redis_password_file is not None:
+            overrides["redis_password"] = read_secret_file(redis_password_file)
+        return StackConfig(kafka_tls_port=tls_port, **overrides)  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:  # SecurityError included; neither ever holds a password
+        Console(stderr=True).print(f"[bold red]invalid stack settings:[/] {exc}")
+        raise typer.Exit(2) from exc
 
 
 def _print_status(cfg: StackConfig, result: StackStatus) -> None:
