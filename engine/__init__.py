@@ -3,17 +3,31 @@
     from engine import LLM, SamplingParams
     llm = LLM(model="smollm2", dtype="float32")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+
+The names below are imported on first use, so tools that only need part of the
+package (model preparation, the CLI's --help) do not pay for importing torch.
 """
 
-from engine.attention.metadata import MaskSpec
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.llm import LLM
-from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "AllBlocksCleared": "engine.kv_events",
+    "BlockRemoved": "engine.kv_events",
+    "BlockStored": "engine.kv_events",
+    "EngineConfig": "engine.config",
+    "EngineCore": "engine.engine_core",
+    "EngineStats": "engine.outputs",
+    "InvalidRequestError": "engine.errors",
+    "MaskSpec": "engine.attention.metadata",
+    "PromptTooLongError": "engine.errors",
+    "RequestError": "engine.errors",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
 __all__ = [
     "LLM",
     "AllBlocksCleared",
@@ -29,3 +43,22 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+if TYPE_CHECKING:
+    from engine.attention.metadata import MaskSpec
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
+    from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from engine.llm import LLM
+    from engine.outputs import EngineStats, RequestOutput
+    from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

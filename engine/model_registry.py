@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.gguf_import import IMPORT_INFO_FILE, IMPORTER_VERSION, console_progress, import_gguf
-
 CACHE_ENV = "INFINILM_CACHE_DIR"
 DEFAULT_CACHE_DIR = "~/.cache/infinilm"
 
@@ -116,6 +114,8 @@ def _is_current(folder: Path) -> bool:
     # The folder appears by an atomic rename, so existing means complete; only an older importer's
     # output (which may carry since-fixed mistakes) needs redoing.
     try:
+        from engine.gguf_import import IMPORT_INFO_FILE, IMPORTER_VERSION  # torch only when needed
+
         info = json.loads((folder / IMPORT_INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
@@ -132,6 +132,8 @@ def _prepare(gguf_path: Path, folder: Path, force: bool) -> Path:
             for kind in ("importing", "old"):
                 for stale in folder.parent.glob(f".{folder.name}.{kind}-*"):
                     shutil.rmtree(stale, ignore_errors=True)
+            from engine.gguf_import import console_progress, import_gguf
+
             with console_progress(f"importing {gguf_path.name}") as progress:
                 import_gguf(gguf_path, folder, progress=progress, overwrite=True)
     return folder

@@ -460,6 +460,10 @@ class Worker:
             queue_s=timing.queue_ms / 1000 if outputs else None, ttft_s=timing.ttft_ms / 1000 if outputs else None,
             tpot_s=tpot, e2e_s=e2e,
         )
+        if self.config.logging.log_prompts:
+            # Opt-in only: request and output text stay out of the logs by default.
+            log.info("request text", request_id=result.id, output=result.text,
+                     request=msgspec.to_builtins(request) if request is not None else None)
         log.debug("request finished", request_id=result.id, kind=kind, status=status, total_ms=timing.total_ms)
 
     def _publish_result(self, tp, offset, result: Result, fmt: str) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import typer
 
-from engine.gguf_import import GGUFImportError, console_progress, import_gguf
 from engine.model_registry import ALIASES, ModelNotFoundError, cache_dir, prepare_model, resolve_model
 
 
@@ -38,6 +37,8 @@ def import_gguf_command(
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it already holds files."),
 ) -> None:
     """Convert a GGUF file (llama, qwen2, qwen3) into a Hugging Face folder: config, safetensors, tokenizer."""
+    from engine.gguf_import import GGUFImportError, console_progress, import_gguf
+
     try:
         with console_progress(f"importing {file.name}") as progress:
             folder = import_gguf(file, out_dir, dtype=dtype.value, progress=progress, overwrite=force)
@@ -55,7 +56,7 @@ def prepare_command(
     """Import an aliased model into the cache (INFINILM_CACHE_DIR, default ~/.cache/infinilm) and print its folder."""
     try:
         folder = prepare_model(alias, force=force)
-    except (ModelNotFoundError, GGUFImportError) as exc:
+    except (ModelNotFoundError, ValueError) as exc:  # GGUFImportError is a ValueError
         raise _fail(str(exc)) from None
     typer.echo(str(folder))
 
@@ -66,7 +67,7 @@ def path_command(
     """Print the model folder for NAME, importing it on first use (progress goes to stderr)."""
     try:
         folder = resolve_model(name)
-    except (ModelNotFoundError, GGUFImportError) as exc:
+    except (ModelNotFoundError, ValueError) as exc:  # GGUFImportError is a ValueError
         raise _fail(str(exc)) from None
     typer.echo(str(folder))
 
