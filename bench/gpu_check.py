@@ -177,6 +177,22 @@ def main() -> None:
         print(f"{r['model']:18} {r['batch']:5d} {r['graphs']!s:>6} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
               f"{r.get('roofline_step_ms', float('nan')):8.2f} {r.get('share_of_roofline', float('nan')):6.1%} "
               f"{r['attention_backend']}")
+    if device.type == "cuda":
+        from bench.report import markdown_table, update_docs_section
+
+        rows = [(r["model"], r["batch"], r["graphs"], f"{r['step_ms']:.2f}", f"{r['decode_tok_s']:.0f}",
+                 f"{r.get('roofline_step_ms', float('nan')):.2f}", f"{r.get('share_of_roofline', float('nan')):.0%}",
+                 r["attention_backend"]) for r in runs]
+        update_docs_section("gpu", "\n\n".join([
+            "## GPU (issue: GPU path)",
+            f"Measured {report['date']} on {report['device']} (copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s). "
+            "Reproduce with:", "    python -m bench.gpu_check",
+            f"Correctness against HF transformers on the device: tiny model {report['tiny_vs_hf_fp32']}; "
+            f"SmolLM2 {report['smollm2_vs_hf']}.",
+            markdown_table("decode step time vs the HBM roofline (weights + KV read / copy bandwidth)",
+                           ["model", "batch", "CUDA graphs", "step ms", "tok/s", "roofline ms", "share", "backend"],
+                           rows),
+        ]))
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "gpu_check.json" if device.type == "cuda" else "gpu_check-cpu-dryrun.json"
