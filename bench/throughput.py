@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from bench.report import markdown_table, print_table
 from engine import LLM, SamplingParams
 from engine.model_registry import resolve_model
 from engine.models.config import ModelConfig
@@ -377,22 +377,6 @@ def profile_engine(llm: LLM, w: Workload, out_path: Path) -> None:
 
 
 # ---- report ----------------------------------------------------------------------------------
-
-
-def print_table(title: str, headers: list[str], rows: list[tuple]) -> None:
-    table = Table(title=title, title_justify="left")
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*map(str, row))
-    console.print(table)
-
-
-def markdown_table(title: str, headers: list[str], rows: list[tuple]) -> str:
-    lines = [f"**{title}**", "", "| " + " | ".join(headers) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_bytes: int, s: Settings) -> dict:

@@ -52,15 +52,9 @@ def risk_items(n: int, seed: int) -> list[str]:
     return texts
 
 
-def engine_run(engine, work: list, tag: str) -> list:
-    for i, w in enumerate(work):
-        engine.add_request(f"{tag}-{i}", w.prompt_token_ids, w.params, mask=w.mask)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[f"{tag}-{i}"] for i in range(len(work))]
+def engine_run(llm, work: list) -> list:
+    """Run a handler's engine work with the offline API; outputs in order."""
+    return llm.generate([w.prompt_token_ids for w in work], [w.params for w in work], masks=[w.mask for w in work])
 
 
 def bench_risk(llm, ctx, items: list[str], repeats: int) -> dict:
@@ -74,7 +68,7 @@ def bench_risk(llm, ctx, items: list[str], repeats: int) -> dict:
     for r in range(repeats + 1):  # the first run warms the prefix cache and is not counted
         t0 = time.perf_counter()
         prepared = asyncio.run(handler.prepare(req, ctx))
-        outs = engine_run(llm.engine, prepared.work, f"risk{r}")
+        outs = engine_run(llm, prepared.work)
         results = asyncio.run(handler.finish(req, prepared, outs, ctx))
         if r:
             latencies.append(time.perf_counter() - t0)
@@ -136,7 +130,7 @@ async def _asr_stream(llm, ctx, chunks: list[str]) -> list[dict]:
             req = AsrRequest(id=f"c{seq}", stream_id="s", seq=seq, text=text)
             prepared = await handler.prepare(req, ctx)
             t0 = time.perf_counter()
-            (out,) = engine_run(llm.engine, prepared.work, f"asr{seq}")
+            (out,) = engine_run(llm, prepared.work)
             result = await handler.finish(req, prepared, [out], ctx)
             rows.append({"seq": seq, "prompt_tokens": len(out.prompt_token_ids), "cached": out.num_cached_tokens,
                          "computed": len(out.prompt_token_ids) - out.num_cached_tokens,

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from schemas import decode_dead_letter, decode_result
-from tests.integration.worker_harness import chat, send_and_collect
-from worker.client import RequestProducer, TopicReader
+from schemas import decode_dead_letter
+from tests.integration.worker_harness import chat, lost_and_duplicated, send_and_collect, send_and_watch
+from worker.client import TopicReader
 
 pytestmark = pytest.mark.integration
 
@@ -92,34 +92,17 @@ def test_sigkill_one_of_two_workers_loses_nothing_and_duplicates_nothing(worker_
         time.sleep(0.5)
     reqs = [chat(f"k{i}", f"tell me about number {i}", max_tokens=128) for i in range(90)]
 
-    async def run():
-        seen: dict = {}
-        killed = False
-        wanted = {r.id for r in reqs}
-        async with TopicReader(kafka_bootstrap, topics.results) as reader:
-            async with RequestProducer(kafka_bootstrap) as producer:
-                for r in reqs:
-                    await producer.send(topics.chat, r, "msgpack")
-            done_at = None
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                for rec in await reader.poll():
-                    res = decode_result(rec.value)
-                    seen.setdefault(res.id, []).append(res)
-                    if not killed and res.worker == "w1":
-                        # w1 has just committed a transaction and has more in flight: kill it now.
-                        w1.signal(signal.SIGKILL)
-                        killed = True
-                if done_at is None and wanted <= set(seen):
-                    done_at = time.monotonic()
-                if done_at is not None and time.monotonic() - done_at > 4:
-                    break  # read on a little after the last first copy to catch duplicates
-        assert killed
-        return seen
+    killed = []
 
-    seen = asyncio.run(run())
-    missing = sorted(r.id for r in reqs if r.id not in seen)
-    dupes = {rid: len(v) for rid, v in seen.items() if len(v) > 1}
+    def kill_w1_mid_run(result) -> None:
+        # w1 has just committed a transaction and has more in flight: kill it now.
+        if not killed and result.worker == "w1":
+            w1.signal(signal.SIGKILL)
+            killed.append(True)
+
+    seen = asyncio.run(send_and_watch(kafka_bootstrap, topics, reqs, kill_w1_mid_run))
+    assert killed
+    missing, dupes = lost_and_duplicated(reqs, seen)
     assert not missing, f"lost: {missing}"
     assert not dupes, f"duplicated: {dupes}"
     assert any(v[0].worker == "w2" for v in seen.values())
@@ -183,34 +166,17 @@ def test_sigterm_under_load_finishes_or_hands_over_without_loss_or_duplicates(wo
     w1.wait_ready()
     reqs = [chat(f"t{i}", f"graceful shutdown {i}", max_tokens=128) for i in range(60)]
 
-    async def run():
-        seen: dict = {}
-        wanted = {r.id for r in reqs}
-        w2 = None
-        async with TopicReader(kafka_bootstrap, topics.results) as reader:
-            async with RequestProducer(kafka_bootstrap) as producer:
-                for r in reqs:
-                    await producer.send(topics.chat, r, "json")
-            done_at = None
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                for rec in await reader.poll():
-                    res = decode_result(rec.value)
-                    seen.setdefault(res.id, []).append(res)
-                    if w2 is None:
-                        # Mid-load: SIGTERM w1 and bring up a replacement in the same group.
-                        w1.signal(signal.SIGTERM)
-                        w2 = start("w2")
-                if done_at is None and wanted <= set(seen):
-                    done_at = time.monotonic()
-                if done_at is not None and time.monotonic() - done_at > 4:
-                    break
-        return seen
+    replacement = []
 
-    seen = asyncio.run(run())
+    def terminate_w1_mid_run(result) -> None:
+        # Mid-load: SIGTERM w1 and bring up a replacement in the same group.
+        if not replacement:
+            w1.signal(signal.SIGTERM)
+            replacement.append(start("w2"))
+
+    seen = asyncio.run(send_and_watch(kafka_bootstrap, topics, reqs, terminate_w1_mid_run, fmt="json"))
     assert w1.wait(60) == 0, w1.logs()[-3000:]
-    missing = sorted(r.id for r in reqs if r.id not in seen)
-    dupes = {rid: len(v) for rid, v in seen.items() if len(v) > 1}
+    missing, dupes = lost_and_duplicated(reqs, seen)
     assert not missing and not dupes, (missing, dupes)
     events = [e.get("event") for e in w1.log_events()]
     assert "shutting down" in events and "worker stopped" in events

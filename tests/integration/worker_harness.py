@@ -155,3 +155,34 @@ async def send_and_collect(bootstrap, topics, sends, expect_ids, timeout=120.0, 
     for rid, results in extra.items():
         got.setdefault(rid, []).extend(results)
     return got
+
+
+async def send_and_watch(bootstrap: str, topics: Topics, requests: list, on_result, fmt: str = "msgpack",
+                         timeout: float = 180.0, linger: float = 4.0) -> dict:
+    """Send requests, read every committed result until all ids arrived plus `linger` s (to catch
+    duplicates); `on_result(result)` sees each one as it comes (to inject a fault mid-run)."""
+    from schemas import decode_result
+
+    seen: dict = {}
+    wanted = {r.id for r in requests}
+    async with TopicReader(bootstrap, topics.results) as reader:
+        async with RequestProducer(bootstrap) as producer:
+            for r in requests:
+                await producer.send(topics.chat, r, fmt)
+        done_at = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for rec in await reader.poll():
+                result = decode_result(rec.value)
+                seen.setdefault(result.id, []).append(result)
+                on_result(result)
+            if done_at is None and wanted <= set(seen):
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > linger:
+                break
+    return seen
+
+
+def lost_and_duplicated(requests: list, seen: dict) -> tuple[list[str], dict[str, int]]:
+    missing = sorted(r.id for r in requests if r.id not in seen)
+    return missing, {rid: len(v) for rid, v in seen.items() if len(v) > 1}

@@ -24,18 +24,6 @@ ITEMS = [
 ]
 
 
-def run_engine(llm: LLM, work) -> list:
-    engine = llm.engine
-    for i, w in enumerate(work):
-        engine.add_request(f"risk-{i}", w.prompt_token_ids, w.params, mask=w.mask)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[f"risk-{i}"] for i in range(len(work))]
-
-
 def test_packed_label_loglikelihoods_match_hf(smollm2_pair):  # noqa: F811 - fixture imported above
     path, hf = smollm2_pair
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=512)
@@ -46,7 +34,8 @@ def test_packed_label_loglikelihoods_match_hf(smollm2_pair):  # noqa: F811 - fix
     handler = RiskHandler()
     prepared = asyncio.run(handler.prepare(req, ctx))
     assert len(prepared.work) >= 2, "expected the items to need several packed requests at this budget"
-    outputs = run_engine(llm, prepared.work)
+    outputs = llm.generate([w.prompt_token_ids for w in prepared.work], [w.params for w in prepared.work],
+                           masks=[w.mask for w in prepared.work])
 
     head, tail = risk_template(ctx, req)
     tok = llm.tokenizer
