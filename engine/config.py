@@ -41,7 +41,16 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_policy: str = "lru"
     weight_bits: int = 16
+    # int4: inputs per quantization group (a layer whose width it does not divide uses less).
+    weight_group_size: int = 128
+    # Text or JSONL that load-time quantization calibrates on; None: engine/quant/calibration.txt.
+    calibration_file: str | None = None
     cache_bits: int = 16
+    # cache_bits 8: each sequence's most recent rows kept at full precision as well (0: all int8).
+    kv_fp_window: int = 0
+    # Keep the embedding table in host memory and gather rows there (saves device memory on CUDA
+    # for untied embeddings; on the CPU the bytes are the same).
+    embedding_offload: bool = False
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
@@ -76,6 +85,13 @@ class EngineConfig:
             raise InvalidRequestError(f"weight_bits must be 16, 8 or 4, got {self.weight_bits}")
         if self.cache_bits not in (16, 8):
             raise InvalidRequestError(f"cache_bits must be 16 or 8, got {self.cache_bits}")
+        if self.weight_group_size < 32 or self.weight_group_size % 32:
+            raise InvalidRequestError(f"weight_group_size must be a positive multiple of 32, got {self.weight_group_size}")
+        if self.kv_fp_window < 0:
+            raise InvalidRequestError(f"kv_fp_window must be >= 0, got {self.kv_fp_window}")
+        if self.kv_fp_window and self.cache_bits != 8:
+            raise InvalidRequestError("kv_fp_window keeps recent rows of an int8 KV cache at full precision; "
+                                      "it needs cache_bits: 8")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidRequestError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -106,6 +122,11 @@ class CacheLayout:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    cache_bits: int = 16
+    # cache_bits 8 with a full-precision window: rows per sequence, sequences held, and their bytes.
+    window: int = 0
+    window_slots: int = 0
+    window_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from engine.attention.backend import select_backend
+from engine.attention.int8_backend import select_int8_backend
+from engine.attention.kv_int8 import KVWindowSlots
 from engine.attention.metadata import CAUSAL, MaskSpec
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, CacheLayout, EngineConfig
@@ -22,9 +24,12 @@ from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.models.loader import dummy_model, load_model
+from engine.models.embedding_offload import offload_embedding
+from engine.models.loader import dummy_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
+from engine.quant.loading import load_engine_model
+from engine.quant.modules import weight_bytes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -58,15 +63,22 @@ class EngineCore:
         self.tokenizer = Tokenizer(self.model_path, mc.eos_token_ids) if (self.model_path / "tokenizer.json").is_file() else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
 
-        backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                 config.block_size)
+        if config.cache_bits == 8:
+            backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
+                                          mc.head_dim)
+        else:
+            backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
+                                     mc.head_dim, config.block_size)
         max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if config.load_format == "dummy":
             self.model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
         else:
-            self.model = load_model(self.model_path, mc, backend, max_positions, self.dtype, self.device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype, weight_bytes)
+            self.model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
+                                           self.device, self.tokenizer)
+        if config.embedding_offload:
+            offload_embedding(self.model, self.device)
+        self.weight_bytes = weight_bytes(self.model)
+        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype, self.weight_bytes)
         self.max_model_len = self.layout.max_model_len
         self.kv_caches = allocate_kv_caches(self.layout, mc)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -77,7 +89,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.deterministic_grid)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.layout.window:
+            self.runner.kv_window = KVWindowSlots(self.layout.window, self.layout.window_slots)
+        # The int8 KV path has not been captured into CUDA graphs on a GPU yet: it runs eagerly.
+        if self.device.type == "cuda" and config.cuda_graphs and config.cache_bits == 16:
             from engine.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
@@ -161,6 +176,7 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.runner.release(sched)
             self.last_stats = self._stats(sched, 0.0, [])
             return outputs
         now = time.monotonic()

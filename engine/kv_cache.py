@@ -11,9 +11,18 @@ from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, cache_bits: int = 16) -> int:
+    """K and V of one block over all layers: head_dim values of the model's dtype per (row, kv head),
+    or with cache_bits 8, head_dim int8 values and one fp16 scale."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
+    row = model.head_dim + 2 if cache_bits == 8 else model.head_dim * elem
+    return model.num_layers * 2 * block_size * model.num_kv_heads * row
+
+
+def window_bytes(model: ModelConfig, window: int, slots: int, dtype: torch.dtype) -> int:
+    """The full-precision rings of an int8 cache: `window` rows for each of `slots` sequences."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * slots * window * model.num_kv_heads * model.head_dim * elem
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -24,7 +33,8 @@ def device_memory_bytes(device: torch.device) -> int:
 
 def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype,
                       weight_bytes: int) -> CacheLayout:
-    per_block = bytes_per_block(model, cfg.block_size, dtype)
+    per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.cache_bits)
+    ring_bytes = window_bytes(model, cfg.kv_fp_window, cfg.max_num_seqs, dtype)
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
     else:
@@ -36,7 +46,7 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
                 budget = min(budget, torch.cuda.mem_get_info(device)[0] - (1 << 30))
             else:
                 budget = min(budget, cfg.cpu_kv_cache_cap_bytes)
-        num_blocks = budget // per_block
+        num_blocks = max(0, budget - ring_bytes) // per_block
     if num_blocks < 2:
         raise ModelLoadError(f"the KV budget holds {num_blocks} block(s) of {per_block} bytes; raise the memory budget")
     limit = cfg.max_model_len or model.max_position_embeddings
@@ -47,11 +57,18 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
         limit = model.sliding_window  # we attend over full context, so stay inside the window
     # One request must always fit the pool, or it could wait forever.
     max_model_len = min(limit, num_blocks * cfg.block_size)
-    return CacheLayout(num_blocks, cfg.block_size, per_block, max_model_len, device, dtype)
+    return CacheLayout(num_blocks, cfg.block_size, per_block, max_model_len, device, dtype, cfg.cache_bits,
+                       cfg.kv_fp_window, cfg.max_num_seqs if cfg.kv_fp_window else 0, ring_bytes)
 
 
-def allocate_kv_caches(layout: CacheLayout, model: ModelConfig) -> list[torch.Tensor]:
+def allocate_kv_caches(layout: CacheLayout, model: ModelConfig) -> list:
     # One block more than the block manager hands out: block `num_blocks` is scratch,
     # where padded rows (CUDA-graph buckets) write without touching anyone's KV.
+    if layout.cache_bits == 8:
+        from engine.attention.kv_int8 import Int8KVCache
+
+        return [Int8KVCache.allocate(layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim,
+                                     layout.window, layout.window_slots, layout.dtype, layout.device)
+                for _ in range(model.num_layers)]
     shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)
     return [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(model.num_layers)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.attention.kv_int8 import KVWindowSlots
 from engine.attention.masks import mask_positions
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.logits_processors import apply_bans, banned_next_tokens
@@ -40,15 +41,25 @@ class ModelRunner:
         self.capture_logits = False
         # Decode steps replayed from CUDA graphs (engine.cuda_graphs), when the engine sets them up.
         self.graphs = None
+        # Ring slots of an int8 KV cache's full-precision window (kv_fp_window > 0), set by the engine.
+        self.kv_window: KVWindowSlots | None = None
         self._pinned: dict[str, torch.Tensor] = {}
         self.last_logits: dict[str, torch.Tensor] = {}
 
+    def release(self, out: SchedulerOutput) -> None:
+        """Drop per-sequence state of the requests the scheduler finished or preempted."""
+        if self.kv_window is not None:
+            self.kv_window.release([*out.finished_ids, *out.preempted_ids])
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.release(out)
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
         ordered = decodes + prefills
         input_ids, positions, meta = self._prepare(decodes, prefills)
+        if self.kv_window is not None:
+            meta.kv_window = self.kv_window.metadata(decodes, prefills, self.device)
         invariant = any(s.params.deterministic for s in ordered)
         with batch_invariant(invariant):
             if self.graphs is not None and not prefills and not invariant and self.graphs.can_run(len(decodes)):

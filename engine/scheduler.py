@@ -48,6 +48,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests that finished (or were aborted) since the previous schedule, so per-sequence state
+    # outside the block manager (the model runner's KV window slots) can be released.
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -96,6 +99,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -105,7 +109,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.token_budget
         preempted_now = False
         i = 0
@@ -231,6 +236,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self._finished_ids.append(req.request_id)
         self.requests.pop(req.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:

@@ -51,7 +51,13 @@ from worker.http import HealthServer
 from worker.kafka_clients import check_kafka_access, client_kwargs
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
-from worker.publisher import AtLeastOncePublisher, DeltaPublisher, PartitionLost, TransactionalPublisher
+from worker.publisher import (
+    AtLeastOncePublisher,
+    DeltaPublisher,
+    PartitionLost,
+    TransactionalPublisher,
+    fit_dead_letter,
+)
 from worker.redis_state import REDIS_OPS
 from worker.rules import RULE_KINDS
 
@@ -493,9 +499,10 @@ class Worker:
         tracker = self.trackers.get(tp)
         if tracker is None:
             return
+        payload, key, headers, reason = fit_dead_letter(
+            record.value or b"", record.key, [(k, bytes(v or b"")) for k, v in (record.headers or ())], reason)
         letter = DeadLetter(topic=record.topic, partition=record.partition, offset=record.offset,
-                            payload=record.value or b"", reason=reason, ts_ms=int(time.time() * 1000),
-                            key=record.key, headers=[(k, bytes(v or b"")) for k, v in (record.headers or ())],
+                            payload=payload, reason=reason, ts_ms=int(time.time() * 1000), key=key, headers=headers,
                             worker=self.worker_id)
         tracker.complete(record.offset, [OutRecord(self.topics.dlq, None, encode(letter, "msgpack"),
                                                    (("content-type", CONTENT_TYPE["msgpack"]),))])

@@ -22,7 +22,16 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_ENGINE = Path(__file__).resolve().parents[1]
+# One extension for every CPU kernel, compiled as one translation unit in this order (the int8
+# attention kernel reuses the fp32 one's helpers).
+_SOURCES = (
+    _ENGINE / "attention" / "csrc" / "paged_attention_cpu.cpp",
+    _ENGINE / "attention" / "csrc" / "paged_attention_int8_cpu.cpp",
+    _ENGINE / "quant" / "csrc" / "quant_linear_cpu.cpp",
+)
+_FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
+              "int8_linear", "int4_linear"]
 
 
 def _cpu_flags() -> str:
@@ -50,13 +59,13 @@ def load_kernels():
     """Build (once per machine and source version, cached on disk) and load the kernel module."""
     from torch.utils.cpp_extension import load_inline
 
-    source = _SOURCE.read_text()
+    source = "\n".join(path.read_text() for path in _SOURCES)
     flags = _build_flags()
     digest = hashlib.sha1((source + " ".join(flags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     return load_inline(
         name=f"infinilm_paged_attention_cpu_{digest}",
         cpp_sources=[source],
-        functions=["paged_decode_attention", "skinny_linear", "invariant_linear"],
+        functions=_FUNCTIONS,
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,

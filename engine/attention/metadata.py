@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.kv_int8 import KVWindowMetadata
 
 
 @dataclass(frozen=True)
@@ -84,3 +88,5 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, including the new token
     decode_max_len: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # An int8 KV cache's full-precision window of recent rows (kv_fp_window > 0), else None.
+    kv_window: KVWindowMetadata | None = None

@@ -34,11 +34,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        nd = q.shape[0]
         k, v = gather_kv(kv_cache, meta.decode_block_tables)  # [B, L, kvh, hd]
-        max_len = k.shape[1]
+        return self._decode_sdpa(q, k, v, meta.decode_seq_lens)
+
+    def _decode_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One query per sequence over its gathered K/V [B, L, kvh, hd], rows past its length masked."""
+        nd, max_len = q.shape[0], k.shape[1]
         positions = torch.arange(max_len, device=q.device)
-        mask = (positions.view(1, -1) < meta.decode_seq_lens.view(-1, 1)).view(nd, 1, 1, max_len)
+        mask = (positions.view(1, -1) < seq_lens.view(-1, 1)).view(nd, 1, 1, max_len)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
@@ -46,6 +49,13 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, span: PrefillSpan) -> torch.Tensor:
+        if span.num_cached == 0 and span.mask.is_causal:
+            return self._prefill_sdpa(q, k, v, span)
+        kc, vc = gather_kv(kv_cache, span.block_table.view(1, -1))
+        return self._prefill_sdpa(q, kc[0, :span.kv_len], vc[0, :span.kv_len], span)
+
+    def _prefill_sdpa(self, q, k, v, span: PrefillSpan) -> torch.Tensor:
+        """Attention of a chunk's queries over its sequence's rows [0, kv_len) (k, v as [rows, kvh, hd])."""
         gqa = self.num_heads != self.num_kv_heads
         if span.num_cached == 0 and span.mask.is_causal:
             o = F.scaled_dot_product_attention(
@@ -53,13 +63,10 @@ class TorchAttentionBackend(AttentionBackend):
                 is_causal=True, scale=self.scale, enable_gqa=gqa,
             )
             return o.transpose(0, 1)
-        kv_len = span.kv_len
-        kc, vc = gather_kv(kv_cache, span.block_table.view(1, -1))
-        kc, vc = kc[0, :kv_len], vc[0, :kv_len]
-        rows = torch.arange(span.num_cached, kv_len, device=q.device)
-        mask = build_mask(span.mask, rows, kv_len)
+        rows = torch.arange(span.num_cached, span.kv_len, device=q.device)
+        mask = build_mask(span.mask, rows, span.kv_len)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, scale=self.scale, enable_gqa=gqa,
         )
         return o.transpose(0, 1)

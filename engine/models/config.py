@@ -42,6 +42,8 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # The quant config of a checkpoint written by `infinilm quantize` (engine.quant), else None.
+    quantization: dict[str, Any] | None = None
 
     @property
     def q_size(self) -> int:
@@ -82,6 +84,10 @@ class ModelConfig:
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported activation {raw['hidden_act']!r}; only silu is implemented")
+        quantization = raw.get("quantization_config")
+        if quantization is not None and quantization.get("quant_method") != "infinilm":
+            raise ModelLoadError(f"unsupported quantization method {quantization.get('quant_method')!r}; "
+                                 "only checkpoints written by `infinilm quantize` load quantized")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
             qkv_bias = True
@@ -122,6 +128,7 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=quantization,
         )
 
     @classmethod

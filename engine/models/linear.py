@@ -43,6 +43,10 @@ def batch_invariant(enabled: bool = True):
         _mode.invariant = previous
 
 
+def invariant_enabled() -> bool:
+    return getattr(_mode, "invariant", False)
+
+
 @cache
 def _invariant_kernel():
     from engine.attention.cpu_paged import kernels_available, load_kernels
@@ -74,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if (x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
             and not torch.is_grad_enabled()):
-        if getattr(_mode, "invariant", False):
+        if invariant_enabled():
             kernel = _invariant_kernel()
             if kernel is None:
                 raise RuntimeError("deterministic mode needs the CPU kernels, which could not be built")

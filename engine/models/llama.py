@@ -34,6 +34,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class Embedding(nn.Embedding):
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied LM head: logits over the vocabulary from hidden states."""
+        return linear(hidden, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -102,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -118,5 +124,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        return self.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

@@ -50,12 +50,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def dummy_model(cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                device: torch.device, seed: int = 0) -> LlamaForCausalLM:
-    """The model with random weights made directly on the device (no checkpoint read)."""
+def empty_model(cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    """The module on the meta device, weights still to be assigned; only the RoPE tables, which are
+    derived rather than loaded, are built for real."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, dtype, torch.device("meta"))
     model.rope = type(model.rope)(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+    return model
+
+
+def dummy_model(cfg: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """The model with random weights made directly on the device (no checkpoint read)."""
+    model = empty_model(cfg, backend, max_positions, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in list(model.named_parameters()):
         value = torch.empty(param.shape, dtype=dtype, device=device)
@@ -69,11 +77,11 @@ def dummy_model(cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
 
 def load_model(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions, dtype, torch.device("meta"))
-    # The RoPE tables are derived, not loaded: build them for real.
-    model.rope = type(model.rope)(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+    if cfg.quantization:
+        from engine.quant.checkpoint import load_quantized
 
+        return load_quantized(folder, cfg, backend, max_positions, dtype, device)
+    model = empty_model(cfg, backend, max_positions, dtype, device)
     params = dict(model.named_parameters())
     fused_sizes = {
         "self_attn.qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],

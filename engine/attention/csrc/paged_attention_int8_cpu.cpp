@@ -1,0 +1,121 @@
+// Paged decode attention over an int8 KV cache (cache_bits: 8).
+//
+// Compiled in one translation unit after paged_attention_cpu.cpp, whose per-head score and
+// weighted-sum helpers (qk_head, pv_head, qk_generic, pv_generic) it reuses. K/V rows are int8 with
+// one fp16 scale per (token, kv head); each task dequantizes its head's rows into a scratch copy
+// (value * scale, as the torch reference computes it) and runs the fp32 helpers on that.
+// Dynamic precision: rows at or after `ring_lo[b]` are read at full precision from the
+// sequence's ring of recent rows (ring[slot, row % W]) instead of the int8 pool.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <vector>
+
+static inline void dequant_row(const int8_t* q, float s, float* out, int64_t D) {
+  int64_t d = 0;
+#ifdef HAVE_AVX2_HEADS
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + d)))), sv));
+#endif
+  for (; d < D; ++d) out[d] = static_cast<float>(q[d]) * s;
+}
+
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_scales,
+                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                          c10::optional<torch::Tensor> ring, c10::optional<torch::Tensor> ring_slots,
+                                          c10::optional<torch::Tensor> ring_lo) {
+  TORCH_CHECK(kv.scalar_type() == torch::kChar && kv.dim() == 5, "kv must be int8 [2, blocks, block, heads, dim]");
+  TORCH_CHECK(kv_scales.scalar_type() == torch::kHalf && kv_scales.dim() == 4, "kv scales must be fp16");
+  TORCH_CHECK(kv.is_contiguous() && kv_scales.is_contiguous(), "kv and its scales must be contiguous");
+  const bool windowed = ring.has_value();
+  if (windowed) {
+    TORCH_CHECK(ring->scalar_type() == torch::kFloat && ring->is_contiguous() && ring->dim() == 5,
+                "the ring must be contiguous fp32 [2, slots, window, heads, dim]");
+    TORCH_CHECK(ring_slots.has_value() && ring_lo.has_value(), "a ring needs slots and lower bounds");
+  }
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto out = torch::empty_like(qf);
+  auto bt_t = block_tables.contiguous();
+  auto sl_t = seq_lens.contiguous();
+  const int64_t B = qf.size(0), H = qf.size(1), D = qf.size(2);
+  const int64_t NB = kv.size(1), BS = kv.size(2), KVH = kv.size(3);
+  const int64_t G = H / KVH, MB = bt_t.size(1);
+  const int8_t* kbase = kv.data_ptr<int8_t>();
+  const int8_t* vbase = kbase + NB * BS * KVH * D;
+  const at::Half* ksc = kv_scales.data_ptr<at::Half>();
+  const at::Half* vsc = ksc + NB * BS * KVH;
+  const float* qp = qf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* bt = bt_t.data_ptr<int64_t>();
+  const int64_t* sl = sl_t.data_ptr<int64_t>();
+  torch::Tensor slots_t, lo_t;
+  const float* rk = nullptr;
+  const float* rv = nullptr;
+  const int64_t* slots = nullptr;
+  const int64_t* lo = nullptr;
+  int64_t W = 1;
+  if (windowed) {
+    W = ring->size(2);
+    rk = ring->data_ptr<float>();
+    rv = rk + ring->size(1) * W * KVH * D;
+    slots_t = ring_slots->contiguous();
+    lo_t = ring_lo->contiguous();
+    slots = slots_t.data_ptr<int64_t>();
+    lo = lo_t.data_ptr<int64_t>();
+  }
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, conv;
+    std::vector<const float*> krows, vrows;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, kh = task % KVH;
+      const int64_t L = sl[b];
+      const int64_t first_fp = windowed ? std::min(L, lo[b]) : L;
+      scores.resize(G * L);
+      krows.resize(L);
+      vrows.resize(L);
+      conv.resize(2 * first_fp * D);
+      for (int64_t t = 0; t < first_fp; ++t) {
+        const int64_t row = (bt[b * MB + t / BS] * BS + t % BS) * KVH + kh;
+        float* kc = conv.data() + t * D;
+        float* vc = conv.data() + (first_fp + t) * D;
+        dequant_row(kbase + row * D, static_cast<float>(ksc[row]), kc, D);
+        dequant_row(vbase + row * D, static_cast<float>(vsc[row]), vc, D);
+        krows[t] = kc;
+        vrows[t] = vc;
+      }
+      for (int64_t t = first_fp; t < L; ++t) {
+        const int64_t off = ((slots[b] * W + t % W) * KVH + kh) * D;
+        krows[t] = rk + off;
+        vrows[t] = rv + off;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* qh = qp + (b * H + h) * D;
+        float* sg = scores.data() + g * L;
+#ifdef HAVE_AVX2_HEADS
+        if (D == 64) qk_head<8>(qh, krows.data(), L, sc, sg);
+        else if (D == 128) qk_head<16>(qh, krows.data(), L, sc, sg);
+        else qk_generic(qh, krows.data(), L, D, sc, sg);
+#else
+        qk_generic(qh, krows.data(), L, D, sc, sg);
+#endif
+        float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
+        at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
+        float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
+        const float inv = 1.f / sum;
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
+        float* oh = op + (b * H + h) * D;
+#ifdef HAVE_AVX2_HEADS
+        if (D == 64) pv_head<8>(sg, vrows.data(), L, oh);
+        else if (D == 128) pv_head<16>(sg, vrows.data(), L, oh);
+        else pv_generic(sg, vrows.data(), L, D, oh);
+#else
+        pv_generic(sg, vrows.data(), L, D, oh);
+#endif
+      }
+    }
+  });
+  return out.to(q.scalar_type());
+}
