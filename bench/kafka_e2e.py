@@ -149,6 +149,7 @@ def main() -> None:
     # Alternate the two paths and keep each one's best run: on a shared 2-core machine a
     # neighbour's burst can slow either run, and the best of two is the least disturbed.
     offline_runs, kafka_runs = [], []
+    load_at_start = os.getloadavg()[0]
     for r in range(args.rounds):
         with console.status(f"offline engine (round {r + 1}/{args.rounds})..."):
             offline_runs.append(run_offline(model, workload))
@@ -186,7 +187,8 @@ def main() -> None:
     if not args.quick:
         update_docs_section("kafka_e2e", "\n\n".join([
             "## Through Kafka vs offline (issue: worker service)",
-            f"Measured {data['date']} on this repository's 2-core dev machine. Reproduce with:",
+            f"Measured {data['date']} on this repository's 2-core dev machine (load average at start "
+            f"{load_at_start:.1f}). Reproduce with:",
             f"    {command}",
             markdown_table(f"{n} chat requests, SmolLM2-135M fp32, greedy", headers, rows),
             markdown_table("latency Kafka adds", lat_headers, lat_rows),

@@ -176,6 +176,7 @@ def main() -> None:
     from worker.config import load_config
     from worker.handlers import HandlerContext
 
+    load_at_start = os.getloadavg()[0]
     llm = LLM(model="smollm2", dtype="float32", max_num_batched_tokens=2048)
     ctx = HandlerContext(tokenizer=llm.tokenizer, max_model_len=llm.engine.max_model_len, max_num_batched_tokens=2048,
                          worker_id="bench", model_name="smollm2", config=load_config(None))
@@ -209,7 +210,8 @@ def main() -> None:
     if not args.quick:
         update_docs_section("workloads", "\n\n".join([
             "## Workloads: risk scoring, ASR streams, deterministic mode",
-            f"Measured {data['date']} on the 2-core dev machine, SmolLM2-135M fp32. Reproduce with:",
+            f"Measured {data['date']} on the 2-core dev machine (load average at start {load_at_start:.1f}), "
+            "SmolLM2-135M fp32. Reproduce with:",
             f"    {command}",
             markdown_table(f"risk scoring ({risk['items']} texts x 3 labels, {repeats} runs after a warm-up; "
                            f"ours ÷ HF = {risk['ours_items_per_s'] / risk['hf_items_per_s']:.2f}x; same top label "
