@@ -22,9 +22,9 @@ class EngineConfig:
     """Everything that shapes one engine instance.
 
     Memory: the KV pool is `kv_cache_memory_bytes` when set; otherwise
-    `max_cache_ratio` of the device's memory (on the CPU, of the host's RAM,
-    capped by `cpu_kv_cache_cap_bytes`). `num_kv_blocks` overrides both and is
-    meant for tests that force preemption.
+    `max_cache_ratio` of the device's memory (on the CPU, of `cpu_memory_bytes`
+    when set, else of the host's RAM capped by `cpu_kv_cache_cap_bytes`).
+    `num_kv_blocks` overrides both and is meant for tests that force preemption.
     """
 
     model: str = "smollm2"
@@ -38,6 +38,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     max_cache_ratio: float = 0.4
     cpu_kv_cache_cap_bytes: int = 2 << 30
+    cpu_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_policy: str = "lru"
     weight_bits: int = 16
@@ -92,6 +93,8 @@ class EngineConfig:
         if self.kv_fp_window and self.cache_bits != 8:
             raise InvalidRequestError("kv_fp_window keeps recent rows of an int8 KV cache at full precision; "
                                       "it needs cache_bits: 8")
+        if self.cpu_memory_bytes is not None and self.cpu_memory_bytes < 1:
+            raise InvalidRequestError(f"cpu_memory_bytes must be positive, got {self.cpu_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidRequestError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

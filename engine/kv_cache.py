@@ -41,11 +41,14 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         else:
-            budget = int(device_memory_bytes(device) * cfg.max_cache_ratio)
-            if device.type == "cuda":
-                budget = min(budget, torch.cuda.mem_get_info(device)[0] - (1 << 30))
+            if device.type == "cpu" and cfg.cpu_memory_bytes is not None:
+                budget = int(cfg.cpu_memory_bytes * cfg.max_cache_ratio)
             else:
-                budget = min(budget, cfg.cpu_kv_cache_cap_bytes)
+                budget = int(device_memory_bytes(device) * cfg.max_cache_ratio)
+                if device.type == "cuda":
+                    budget = min(budget, torch.cuda.mem_get_info(device)[0] - (1 << 30))
+                else:
+                    budget = min(budget, cfg.cpu_kv_cache_cap_bytes)
         num_blocks = max(0, budget - ring_bytes) // per_block
     if num_blocks < 2:
         raise ModelLoadError(f"the KV budget holds {num_blocks} block(s) of {per_block} bytes; raise the memory budget")

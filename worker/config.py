@@ -134,11 +134,14 @@ class ExecutionConfig(_Section):
 
 
 class MemoryConfig(_Section):
-    """The KV cache: `kv_cache_bytes` when set, else `max_cache_ratio` of device memory."""
+    """The KV cache: `kv_cache_bytes` when set, else `max_cache_ratio` of device memory (on the CPU,
+    of `cpu_memory_bytes` when set, else of host RAM capped at 2 GiB). Prefix-cache blocks no
+    request holds are evicted least recently used first (`kv_cache_policy: lru`)."""
 
     kv_cache_policy: Literal["lru"] = "lru"
     max_cache_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.4
     kv_cache_bytes: Bytes | None = None
+    cpu_memory_bytes: Bytes | None = None
     block_size: PositiveInt = 16
     enable_prefix_caching: bool = True
     embedding_offload: bool = False
@@ -149,16 +152,22 @@ class MemoryConfig(_Section):
 
 
 class QuantizationConfig(_Section):
-    """Weight and KV-cache precision; `calibration_file` holds per-layer calibration data."""
+    """Weight and KV-cache precision; `calibration_file` holds per-layer calibration data for
+    weights quantized at load time; `kv_fp_window` keeps each sequence's most recent KV rows at
+    full precision when `cache_bits` is 8."""
 
     weight_bits: Literal[16, 8, 4] = 16
+    weight_group_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 128
     cache_bits: Literal[16, 8] = 16
+    kv_fp_window: Annotated[int, msgspec.Meta(ge=0)] = 0
     calibration_file: NonEmptyStr | None = None
 
     def __post_init__(self) -> None:
         if self.calibration_file is not None:
             _require(Path(self.calibration_file).expanduser().is_file(), "calibration_file",
                      f"file {self.calibration_file} does not exist")
+        _require(self.kv_fp_window == 0 or self.cache_bits == 8, "kv_fp_window",
+                 "keeps recent rows of an int8 KV cache at full precision; it needs cache_bits: 8")
 
 
 class KafkaConfig(_Section):
@@ -384,9 +393,15 @@ class ServiceConfig(_Section):
                 enable_prefix_caching=memory.enable_prefix_caching,
                 kv_cache_memory_bytes=memory.kv_cache_bytes,
                 max_cache_ratio=memory.max_cache_ratio,
+                cpu_memory_bytes=memory.cpu_memory_bytes,
                 kv_cache_policy=memory.kv_cache_policy,
+                embedding_offload=memory.embedding_offload,
                 weight_bits=quant.weight_bits,
+                weight_group_size=quant.weight_group_size,
+                calibration_file=(str(Path(quant.calibration_file).expanduser())
+                                  if quant.calibration_file else None),
                 cache_bits=quant.cache_bits,
+                kv_fp_window=quant.kv_fp_window,
                 num_threads=execution.num_threads,
             )
         except RequestError as exc:

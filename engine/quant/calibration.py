@@ -26,6 +26,12 @@ from engine.models.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 
 DEFAULT_CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
+# Calibration tokens by weight bits. Running them through the model and accumulating every layer's
+# x^T x is most of the time calibration takes. int8's searches only rank a few candidates per
+# layer; int4's error feedback (GPTQ) inverts H, which wants more rows than the widest layer has
+# inputs. Quality at these sizes: docs/BENCHMARKS.md, "Quantization".
+CALIBRATION_TOKENS = {8: 1024, 4: 2048}
+CALIBRATION_SEQ_LEN = 512
 Progress = Callable[[int, int, str], None]
 
 
@@ -80,24 +86,33 @@ def read_calibration_texts(path: str | Path | None = None) -> list[str]:
     return texts
 
 
-def calibration_sequences(tokenizer, path: str | Path | None = None, seq_len: int = 512,
-                          max_tokens: int = 8192) -> list[list[int]]:
-    """Token sequences of at most `seq_len` tokens, `max_tokens` in all, cut from the calibration texts."""
-    sequences: list[list[int]] = []
-    budget = max_tokens
+def calibration_sequences(tokenizer, path: str | Path | None = None, seq_len: int = CALIBRATION_SEQ_LEN,
+                          max_tokens: int = CALIBRATION_TOKENS[8]) -> list[list[int]]:
+    """Token sequences of at most `seq_len` tokens, `max_tokens` in all, cut from the calibration
+    texts and, when they hold more, taken evenly spaced across them (not just from the start)."""
+    pieces: list[list[int]] = []
     for text in read_calibration_texts(path):
         if isinstance(text, list):
             ids = tokenizer.encode(tokenizer.apply_chat_template(text, add_generation_prompt=False),
                                    add_special_tokens=False)
         else:
             ids = tokenizer.encode(text)
-        for start in range(0, len(ids), seq_len):
-            piece = ids[start:start + seq_len][:budget]
-            if len(piece) >= 2:
-                sequences.append(piece)
-                budget -= len(piece)
-            if budget <= 0:
-                return sequences
+        pieces.extend(p for start in range(0, len(ids), seq_len) if len(p := ids[start:start + seq_len]) >= 2)
+    total = sum(map(len, pieces))
+    if total > max_tokens:
+        step = total / max_tokens
+        chosen, seen = [], 0
+        for p in pieces:  # keep a piece when the running count crosses the next multiple of `step`
+            if int((seen + len(p)) / step) > int(seen / step) or not chosen:
+                chosen.append(p)
+            seen += len(p)
+        pieces = chosen
+    sequences, budget = [], max_tokens
+    for p in pieces:
+        if budget < 2:
+            break
+        sequences.append(p[:budget])
+        budget -= len(sequences[-1])
     return sequences
 
 

@@ -18,6 +18,8 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.quant.calibration import (
+    CALIBRATION_SEQ_LEN,
+    CALIBRATION_TOKENS,
     DEFAULT_CALIBRATION_FILE,
     Progress,
     calibration_sequences,
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def quantize_pretrained(folder: Path, mc: ModelConfig, spec: QuantSpec, tokenizer, calibration_file=None,
-                        device: torch.device | None = None, seq_len: int = 512, max_tokens: int = 8192,
+                        device: torch.device | None = None, seq_len: int = CALIBRATION_SEQ_LEN,
+                        max_tokens: int | None = None,
                         progress: Progress | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Load a full-precision checkpoint in fp32, calibrate it and return the quantized state dict
     and quant config (what `infinilm quantize` saves)."""
@@ -44,7 +47,7 @@ def quantize_pretrained(folder: Path, mc: ModelConfig, spec: QuantSpec, tokenize
         if tokenizer is None:
             raise ModelLoadError("calibration reads text, so the model folder needs a tokenizer")
         path = Path(calibration_file) if calibration_file else DEFAULT_CALIBRATION_FILE
-        sequences = calibration_sequences(tokenizer, path, seq_len, max_tokens)
+        sequences = calibration_sequences(tokenizer, path, seq_len, max_tokens or CALIBRATION_TOKENS[spec.bits])
         if not sequences:
             raise ModelLoadError(f"calibration file {path} gave no tokens")
         stats = collect_statistics(model, sequences, progress=progress)

@@ -1,7 +1,11 @@
 """Per-layer choice of quantization scales by output error on calibration activations.
 
 For a layer y = x W^T and a weight error E = W - Q(W), the output error over the calibration rows
-is sum_n E_n H E_n^T with H = mean x^T x (calibration.LayerStats). Two searches use it:
+is sum_n E_n H E_n^T with H = mean x^T x (calibration.LayerStats). Evaluated exactly that costs
+N K^2 per candidate, which for every candidate of every layer is minutes on a CPU; `ErrorMetric`
+evaluates it in N K r instead, from H's top-r eigen-directions (where the activations' outlier
+channels live and rounding errors correlate) plus the diagonal H leaves once those are taken out
+(where independent rounding errors land). Two searches use it:
 
 - Activation-aware input scaling: weights of input channels with large activations matter more,
   so scale them up by s = mean|x|^alpha before quantizing (and fold 1/s into the previous op);
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.quant.quantizers import (
+    INT8_MAX,
     dequantize_int4_codes,
     dequantize_int8,
     int4_params,
@@ -29,10 +34,63 @@ from engine.quant.quantizers import (
     quantize_int8,
 )
 
-INT8_CLIPS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.82, 0.8, 0.75, 0.7)
+INT8_CLIPS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8)
 INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
-ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+ALPHAS = (0.0, 0.15, 0.3, 0.45, 0.6)
+METRIC_RANK = 32
 _ROWS_PER_CHUNK = 8192  # output rows per error evaluation, to bound memory on the LM head
+
+
+@dataclass(frozen=True)
+class ErrorMetric:
+    """E H E^T per output row, approximated as ||E B||^2 + (E * E) d, where B B^T is H's best
+    rank-r part and d the diagonal of what remains (exact when r = K)."""
+
+    basis: torch.Tensor  # [K, r]
+    diag: torch.Tensor  # [K]
+
+    @classmethod
+    def from_hessian(cls, hessian: torch.Tensor, rank: int = METRIC_RANK) -> ErrorMetric:
+        h = hessian.float()
+        rank = min(rank, h.shape[0])
+        # H is symmetric PSD, so its eigenvalues are its singular values.
+        gen = torch.Generator(device=h.device).manual_seed(0)
+        u, s, _ = _svd_lowrank(h, rank, gen)
+        basis = u * s.clamp(min=0).sqrt()
+        return cls(basis, (torch.diagonal(h) - basis.pow(2).sum(1)).clamp(min=0))
+
+    def scaled(self, s: torch.Tensor) -> ErrorMetric:
+        """The metric of the inputs x / s (weights W diag(s))."""
+        return ErrorMetric(self.basis / s[:, None], self.diag / s.pow(2))
+
+    def rows(self, err: torch.Tensor) -> torch.Tensor:
+        """Per output row; `err` is overwritten."""
+        projected = (err @ self.basis).pow_(2).sum(1)
+        return projected.add_(err.square_() @ self.diag)
+
+
+def _svd_lowrank(h: torch.Tensor, rank: int, gen: torch.Generator, oversample: int = 8):
+    """H's top-`rank` eigenpairs by a randomized range finder with one power iteration (Halko et
+    al.), seeded so that quantization is reproducible (torch.svd_lowrank draws from the global
+    generator)."""
+    k = h.shape[0]
+    q = min(k, rank + oversample)
+    y = h @ (h @ torch.randn(k, q, generator=gen, device=h.device, dtype=h.dtype))
+    basis, _ = torch.linalg.qr(y)
+    vals, vecs = torch.linalg.eigh(basis.T @ h @ basis)
+    top = vals.argsort(descending=True)[:rank]
+    return basis @ vecs[:, top], vals[top], None
+
+
+def int8_rounding_error(w: torch.Tensor, clip: torch.Tensor | float = 1.0,
+                        absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """Q(w) - w for int8 per-channel rounding at `clip`, without building the codes (the searches
+    evaluate many candidates, and this is 4 passes over the weight instead of 8)."""
+    if absmax is None:
+        absmax = w.abs().amax(dim=1)
+    scales = (absmax * clip / INT8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)[:, None]
+    t = w / scales
+    return t.round_().clamp_(-INT8_MAX, INT8_MAX).mul_(scales).sub_(w)
 
 
 @dataclass
@@ -89,14 +147,20 @@ def output_error(err: torch.Tensor, hessian: torch.Tensor, group_size: int | Non
     return torch.cat(out)
 
 
-def search_clip(w: torch.Tensor, bits: int, group_size: int | None, hessian: torch.Tensor) -> QuantizedWeight:
-    """The clipping ratio per output channel (int8) or group (int4) with the least output error."""
+def search_clip(w: torch.Tensor, bits: int, group_size: int | None, hessian: torch.Tensor,
+                metric: ErrorMetric | None = None) -> QuantizedWeight:
+    """The clipping ratio per output channel (int8) or group (int4) with the least output error
+    (int8: by `metric` when given, else exactly)."""
     w = w.float()
     grid = INT8_CLIPS if bits == 8 else INT4_CLIPS
     best_err = best_clip = None
+    absmax = w.abs().amax(dim=1)
     for ratio in grid:
-        q = quantize_weight(w, bits, group_size, ratio)
-        err = output_error(w - q.dequantize(), hessian, None if bits == 8 else group_size)
+        if bits == 8 and metric is not None:
+            err = metric.rows(int8_rounding_error(w, ratio, absmax))
+        else:
+            q = quantize_weight(w, bits, group_size, ratio)
+            err = output_error(w - q.dequantize(), hessian, None if bits == 8 else group_size)
         if best_err is None:
             best_err, best_clip = err, torch.full_like(err, ratio)
         else:
@@ -106,7 +170,7 @@ def search_clip(w: torch.Tensor, bits: int, group_size: int | None, hessian: tor
     return quantize_weight(w, bits, group_size, best_clip)
 
 
-def search_input_scale(w: torch.Tensor, bits: int, group_size: int | None, hessian: torch.Tensor,
+def search_input_scale(w: torch.Tensor, bits: int, group_size: int | None, metric: ErrorMetric,
                        mean_abs: torch.Tensor) -> torch.Tensor | None:
     """Per-input-channel scales s (W -> W diag(s), x -> x / s) minimising the layer's output error
     after round-to-nearest; None when no scaling (alpha = 0) is best."""
@@ -116,8 +180,11 @@ def search_input_scale(w: torch.Tensor, bits: int, group_size: int | None, hessi
     for alpha in ALPHAS:
         s = act.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
-        q = quantize_weight(w * s, bits, group_size)
-        err = output_error(w - q.dequantize() / s, hessian).sum().item()
+        ws = w * s
+        if bits == 8:  # the error of the scaled layer, measured on the inputs x / s it will see
+            err = metric.scaled(s).rows(int8_rounding_error(ws)).sum().item()
+        else:
+            err = metric.rows(w - quantize_weight(ws, bits, group_size).dequantize() / s).sum().item()
         if best_err is None or err < best_err:
             best_err, best = err, (None if alpha == 0 else s)
     return best
