@@ -35,6 +35,9 @@ class QuantSpec:
     bits: int  # 8 or 4
     group_size: int = 128  # int4: inputs per group (a layer whose width it does not divide uses less)
     calibrated: bool = True  # False: plain round-to-nearest, the uncalibrated baseline
+    # int4: GPTQ's error-feedback rounding instead of the per-group clip search. A Python loop per
+    # input column: minutes for SmolLM2 on two CPU cores (docs/BENCHMARKS.md, "Quantization").
+    error_feedback: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):
@@ -107,7 +110,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
     for name in targets:
         w = sd.pop(f"{name}.weight")
         group = _group_for(spec, w.shape[1])
-        if calibrated and name in stats and spec.bits == 4:
+        if calibrated and name in stats and spec.bits == 4 and spec.error_feedback:
             q = gptq_int4(w, hessian(name), group)
         elif calibrated and name in stats:
             q = search_clip(w, spec.bits, group, hessian(name), metric(name))
@@ -131,6 +134,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
         "bits": spec.bits,
         "group_size": spec.group_size if spec.bits == 4 else None,
         "calibrated": calibrated,
+        "int4_rounding": ("gptq" if spec.error_feedback else "clip_search") if calibrated and spec.bits == 4 else None,
         "input_scaled_modules": sorted(scaled),
         "modules": modules,
     }
