@@ -78,3 +78,19 @@ def test_window_numbers_do_not_depend_on_chunking_or_backend(tiny_llama):
         torch.testing.assert_close(decode_lp(other), decode_lp(whole), atol=1e-5, rtol=0)
     # The window is really read: a window of 8 rows changes the numbers against all-int8.
     assert (prompt_lp(whole) - prompt_lp(all_int8)).abs().max() > 1e-6
+
+
+def test_int8_prefix_cache_evicts_least_recently_used_blocks(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=14, cache_bits=8)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    rng = random.Random(1)
+    a, b, c = ([rng.randrange(3, 320) for _ in range(41)] for _ in range(3))  # 5 full blocks and one token
+
+    def cached(prompt) -> int:
+        return llm.generate([prompt], params)[0].num_cached_tokens
+
+    assert [cached(a), cached(b)] == [0, 0]
+    assert cached(a) == 40  # a hit refreshes A: B is now the least recently used
+    assert cached(c) == 0  # 14 blocks hold two prompts of 6: C evicts B's blocks, not A's
+    assert cached(a) == 40
+    assert cached(b) < 40
