@@ -56,7 +56,8 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
     With `stats` and `spec.calibrated`: int8 layers get the per-channel clipping of least output
     error on the calibration activations; int4 layers first get activation-aware input scaling
     where it can be folded into the op before it (qkv and gate_up into their RMSNorm, down into the
-    up rows of gate_up), then error-feedback rounding (GPTQ) with per-group clipping.
+    up rows of gate_up), then the per-group clipping of least output error (or, with
+    `spec.error_feedback`, GPTQ's error-feedback rounding).
     """
     calibrated = spec.calibrated and stats is not None
     sd = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
