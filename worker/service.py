@@ -132,6 +132,7 @@ class Worker:
         self.http: HealthServer | None = None
         self._tasks: list[asyncio.Task] = []
         self._prepare_tasks: dict[asyncio.Task, TopicPartition] = {}
+        self._awaiting_setup: set[TopicPartition] = set()  # paused by _intake until on_assigned is done
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
@@ -270,14 +271,27 @@ class Worker:
                 continue
             for records in batch.values():
                 for record in records:
-                    await self._intake(record)
+                    if not await self._intake(record):
+                        break  # the rest of this partition's batch is fetched again later
             self._update_pause()
 
-    async def _intake(self, record) -> None:
+    async def _intake(self, record) -> bool:
+        """Take one record on; False when it must be fetched again (and the rest of its batch with it)."""
         tp = TopicPartition(record.topic, record.partition)
         tracker = self.trackers.get(tp)
         if tracker is None:
-            return  # revoked while the fetch was in flight; the new owner will see it
+            if self.consumer is not None and tp in self.consumer.assignment():
+                # NOTE: aiokafka installs a new assignment, and may fetch for it, before
+                # on_assigned has finished starting the partition's producer. Skipping the record
+                # here would lose it: the consumer's position has moved past it, and the next
+                # commit on this partition would cover it. Go back to it and wait for on_assigned.
+                self.consumer.seek(tp, record.offset)
+                self.consumer.pause(tp)
+                if tp not in self._awaiting_setup:
+                    self._awaiting_setup.add(tp)
+                    log.info("partition not set up yet; will fetch again", partition=str(tp), offset=record.offset)
+            # Otherwise it was revoked while the fetch was in flight; the new owner will see it.
+            return False
         tracker.register(record.offset)
         consumed_at = time.monotonic()
         payload = record.value or b""
@@ -291,12 +305,12 @@ class Worker:
             else:
                 self._complete_error(tp, record.offset, exc.request_id, exc.kind, exc.code, exc.message, fmt,
                                      consumed_at)
-            return
+            return True
         handler = self.handlers.get(request.kind)
         if handler is None:
             self._complete_error(tp, record.offset, request.id, request.kind, ErrorCode.unsupported_kind,
                                  f"this worker does not serve kind {request.kind!r} yet", fmt, consumed_at)
-            return
+            return True
         if getattr(handler, "defer_prepare", False):
             # This handler may wait (an ASR chunk for its predecessor): run it beside
             # the consume loop, which must keep polling.
@@ -305,6 +319,7 @@ class Worker:
             task.add_done_callback(self._prepare_tasks.pop)
         else:
             await self._prepare(tp, record.offset, request, handler, fmt, consumed_at)
+        return True
 
     async def _prepare(self, tp, offset: int, request, handler: Handler, fmt: str, consumed_at: float) -> None:
         try:
@@ -576,9 +591,13 @@ class Worker:
         await self.publisher.add_partitions(sorted(assigned))
         for tp in assigned:
             self.trackers.setdefault(tp, PartitionTracker(tp.topic, tp.partition))
+        waiting = self._awaiting_setup & assigned
+        self._awaiting_setup -= assigned
         if self._paused or self._stopping.is_set():
             # Pausing is lost on reassignment; keep not fetching while full.
             self.consumer.pause(*assigned)
+        elif waiting:
+            self.consumer.resume(*waiting)
         log.info("partitions assigned", partitions=sorted(str(tp) for tp in assigned))
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
@@ -586,6 +605,7 @@ class Worker:
         if not revoked:
             return
         await self._flush_all(only=list(revoked))
+        self._awaiting_setup -= revoked
         for tp in revoked:
             self._drop_partition(tp)
         await self.publisher.remove_partitions(list(revoked))
