@@ -49,14 +49,14 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
-def update_docs_section(key: str, body: str) -> None:
-    """Replace (or append) the section between `<!-- key:start -->` and `<!-- key:end -->`."""
+def update_docs_section(key: str, body: str, docs: Path = DOCS) -> None:
+    """Replace (or append) the section between `<!-- key:start -->` and `<!-- key:end -->` of `docs`."""
     start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
     block = f"{start}\n{body.strip()}\n{end}"
-    text = DOCS.read_text() if DOCS.exists() else _DOCS_INTRO
+    text = docs.read_text() if docs.exists() else _DOCS_INTRO
     if start in text and end in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(text)
