@@ -1,6 +1,6 @@
 """Faults at scale: workers killed, the broker restarted, Redis stopped, bad input; lost and duplicated counted.
 
-    .venv/bin/python -m bench.chaos                    # every scenario, bigger loads (~20 min on 2 cores)
+    .venv/bin/python -m bench.chaos                    # every scenario, bigger loads (not yet timed)
     .venv/bin/python -m bench.chaos --quick            # the test suite's loads, to check the script
     .venv/bin/python -m bench.chaos --only kills,fuzz  # some scenarios
 
@@ -33,16 +33,22 @@ from bench.report import (
 )
 
 # name -> (full load, --quick load): keyword arguments of the scenario function.
+SHORT = {"max_tokens": (8, 48)}
 SCENARIOS = {
-    "kills": ("worker_kills", {"requests": 1500, "kills": 6, "rate": 10.0}, {"requests": 500, "kills": 3}),
-    "broker": ("broker_restart", {"requests": 800, "down_s": 15.0}, {"requests": 200, "down_s": 8.0}),
-    "broker-kill": ("broker_restart", {"requests": 800, "down_s": 15.0, "hard": True},
-                    {"requests": 200, "down_s": 8.0, "hard": True}),
-    "redis": ("redis_outage", {"requests": 800, "down_s": 20.0}, {"requests": 200, "down_s": 12.0}),
-    "redis-hang": ("redis_outage", {"requests": 800, "down_s": 20.0, "hang": True},
-                   {"requests": 200, "down_s": 12.0, "hang": True}),
-    "long": ("long_generations", {"concurrent": 8, "max_tokens": 250}, {"concurrent": 4, "max_tokens": 200}),
-    "sigterm": ("sigterm_under_load", {"requests": 1000}, {"requests": 300}),
+    "kills": ("worker_kills", {"requests": 1500, "kills": 6, "rate": 20.0, **SHORT},
+              {"requests": 500, "kills": 3, "rate": 20.0, **SHORT}),
+    "broker": ("broker_restart", {"requests": 600, "down_s": 15.0, "rate": 12.0, **SHORT},
+               {"requests": 150, "down_s": 5.0, "rate": 12.0, **SHORT}),
+    "broker-kill": ("broker_restart", {"requests": 600, "down_s": 15.0, "hard": True, "rate": 12.0, **SHORT},
+                    {"requests": 150, "down_s": 5.0, "hard": True, "rate": 12.0, **SHORT}),
+    "redis": ("redis_outage", {"requests": 600, "down_s": 20.0, "rate": 12.0, **SHORT},
+              {"requests": 150, "down_s": 8.0, "rate": 12.0, **SHORT}),
+    "redis-hang": ("redis_outage", {"requests": 600, "down_s": 20.0, "hang": True, "rate": 12.0, **SHORT},
+                   {"requests": 150, "down_s": 8.0, "hang": True, "rate": 12.0, **SHORT}),
+    "long": ("long_generations", {"concurrent": 8, "max_tokens": 250},
+             {"concurrent": 2, "max_tokens": 96, "max_poll_interval_ms": 3000}),
+    "sigterm": ("sigterm_under_load", {"requests": 1000, "rate": 20.0, "max_tokens": (16, 64)},
+                {"requests": 300, "rate": 20.0, "max_tokens": (16, 64)}),
     "fuzz": ("fuzz", {"total": 20_000}, {"total": 10_000}),
 }
 

@@ -72,7 +72,7 @@ def main() -> None:
     path = write_json("soak.json", data)
     console.print(f"wrote {path}")
     update_docs_section("soak", "\n\n".join([
-        "## Soak (issue: reliability figures)",
+        "### A bench/soak.py run",
         f"Measured {date} on this repository's 2-core dev machine, shared with other work. Reproduce with:",
         f"    {command}",
         markdown_table(title, list(SoakReport.HEADERS), report.rows()),
