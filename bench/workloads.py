@@ -113,6 +113,10 @@ def bench_risk(llm, ctx, items: list[str], repeats: int) -> dict:
     }
 
 
+# A Redis-backed step that takes longer than this is a hang, not a slow machine: fail loudly.
+STEP_TIMEOUT_S = 120
+
+
 async def _asr_stream(llm, ctx, chunks: list[str]) -> list[dict]:
     from schemas import AsrRequest
     from worker.handlers.asr import AsrHandler
@@ -123,15 +127,15 @@ async def _asr_stream(llm, ctx, chunks: list[str]) -> list[dict]:
     stack_up(stack)
     ctx.redis = RedisState(stack.redis_url, worker_id="bench", model="smollm2",
                            key_prefix=f"bench-asr-{uuid.uuid4().hex[:8]}")
-    await ctx.redis.start()
+    await asyncio.wait_for(ctx.redis.start(), STEP_TIMEOUT_S)
     handler, rows = AsrHandler(), []
     try:
         for seq, text in enumerate(chunks):
             req = AsrRequest(id=f"c{seq}", stream_id="s", seq=seq, text=text)
-            prepared = await handler.prepare(req, ctx)
+            prepared = await asyncio.wait_for(handler.prepare(req, ctx), STEP_TIMEOUT_S)
             t0 = time.perf_counter()
             (out,) = engine_run(llm, prepared.work)
-            result = await handler.finish(req, prepared, [out], ctx)
+            result = await asyncio.wait_for(handler.finish(req, prepared, [out], ctx), STEP_TIMEOUT_S)
             rows.append({"seq": seq, "prompt_tokens": len(out.prompt_token_ids), "cached": out.num_cached_tokens,
                          "computed": len(out.prompt_token_ids) - out.num_cached_tokens,
                          "chunk_tokens": len(ctx.tokenizer.encode(text, add_special_tokens=False)),
