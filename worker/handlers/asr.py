@@ -45,6 +45,7 @@ class AsrHandler:
         deadline = time.monotonic() + ctx.config.asr.gap_timeout_s
         while True:
             if not redis.healthy:
+                self._committed.pop(req.stream_id, None)
                 raise RequestError("stream state is unavailable (Redis is down); retry the chunk later",
                                    code="overloaded")
             state = await redis.get_stream(req.stream_id)
@@ -59,6 +60,9 @@ class AsrHandler:
                                    "result has expired", code="invalid_request")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # Drop the stream's wake-up event so a stream that never continues leaves nothing
+                # behind; another waiter on it still wakes by polling.
+                self._committed.pop(req.stream_id, None)
                 raise RequestError(f"chunk {req.seq} of stream {req.stream_id!r} waited "
                                    f"{ctx.config.asr.gap_timeout_s:g}s for chunk {last + 1}", code="sequence_gap")
             # Woken at once by a commit on this worker; a commit elsewhere is seen on the next poll.
