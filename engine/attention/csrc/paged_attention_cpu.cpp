@@ -91,6 +91,38 @@ static void pv_generic(const float* p, const float* const* vrows, int64_t L, int
   for (int64_t t = 0; t < L; ++t) axpy(p[t], vrows[t], out, D);
 }
 
+// The G query heads that share KV head kh of sequence b attend over its L rows (krows / vrows,
+// D floats each): exact softmax of the scaled scores, then the weighted sum of V into out.
+static void attend_heads(const float* qp, float* op, const float* const* krows, const float* const* vrows,
+                         float* scores, int64_t b, int64_t kh, int64_t G, int64_t H, int64_t L, int64_t D,
+                         float sc) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = kh * G + g;
+    const float* qh = qp + (b * H + h) * D;
+    float* sg = scores + g * L;
+#ifdef HAVE_AVX2_HEADS
+    if (D == 64) qk_head<8>(qh, krows, L, sc, sg);
+    else if (D == 128) qk_head<16>(qh, krows, L, sc, sg);
+    else qk_generic(qh, krows, L, D, sc, sg);
+#else
+    qk_generic(qh, krows, L, D, sc, sg);
+#endif
+    float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
+    at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
+    float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
+    const float inv = 1.f / sum;
+    at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
+    float* oh = op + (b * H + h) * D;
+#ifdef HAVE_AVX2_HEADS
+    if (D == 64) pv_head<8>(sg, vrows, L, oh);
+    else if (D == 128) pv_head<16>(sg, vrows, L, oh);
+    else pv_generic(sg, vrows, L, D, oh);
+#else
+    pv_generic(sg, vrows, L, D, oh);
+#endif
+  }
+}
+
 template <typename scalar_t>
 void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
                       torch::Tensor seq_lens, double scale) {
@@ -130,31 +162,7 @@ void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torc
           vrows[t] = vc;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g;
-        const float* qh = qp + (b * H + h) * D;
-        float* sg = scores.data() + g * L;
-#ifdef HAVE_AVX2_HEADS
-        if (D == 64) qk_head<8>(qh, krows.data(), L, sc, sg);
-        else if (D == 128) qk_head<16>(qh, krows.data(), L, sc, sg);
-        else qk_generic(qh, krows.data(), L, D, sc, sg);
-#else
-        qk_generic(qh, krows.data(), L, D, sc, sg);
-#endif
-        float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
-        at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
-        float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
-        const float inv = 1.f / sum;
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
-        float* oh = op + (b * H + h) * D;
-#ifdef HAVE_AVX2_HEADS
-        if (D == 64) pv_head<8>(sg, vrows.data(), L, oh);
-        else if (D == 128) pv_head<16>(sg, vrows.data(), L, oh);
-        else pv_generic(sg, vrows.data(), L, D, oh);
-#else
-        pv_generic(sg, vrows.data(), L, D, oh);
-#endif
-      }
+      attend_heads(qp, op, krows.data(), vrows.data(), scores.data(), b, kh, G, H, L, D, sc);
     }
   });
 }

@@ -90,31 +90,7 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor kv, tor
         krows[t] = rk + off;
         vrows[t] = rv + off;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g;
-        const float* qh = qp + (b * H + h) * D;
-        float* sg = scores.data() + g * L;
-#ifdef HAVE_AVX2_HEADS
-        if (D == 64) qk_head<8>(qh, krows.data(), L, sc, sg);
-        else if (D == 128) qk_head<16>(qh, krows.data(), L, sc, sg);
-        else qk_generic(qh, krows.data(), L, D, sc, sg);
-#else
-        qk_generic(qh, krows.data(), L, D, sc, sg);
-#endif
-        float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
-        at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
-        float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
-        const float inv = 1.f / sum;
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
-        float* oh = op + (b * H + h) * D;
-#ifdef HAVE_AVX2_HEADS
-        if (D == 64) pv_head<8>(sg, vrows.data(), L, oh);
-        else if (D == 128) pv_head<16>(sg, vrows.data(), L, oh);
-        else pv_generic(sg, vrows.data(), L, D, oh);
-#else
-        pv_generic(sg, vrows.data(), L, D, oh);
-#endif
-      }
+      attend_heads(qp, op, krows.data(), vrows.data(), scores.data(), b, kh, G, H, L, D, sc);
     }
   });
   return out.to(q.scalar_type());
