@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 import traceback
-from pathlib import Path
 
 from bench.report import (
     REPO,
@@ -94,15 +92,9 @@ def main() -> None:
     command = invocation("bench.chaos")
     console.print(f"[bold]$ {command}[/]")
 
-    from tests.conftest import write_tiny_model
     from tests.fault.fleet import Site
-    from worker.stack import StackConfig, stack_up
 
-    stack = StackConfig()
-    stack_up(stack)
-    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
-    tiny = write_tiny_model(workdir / "tiny-llama", "llama")
-    site = Site(stack, stack.redis_url, str(tiny), workdir)
+    site = Site.on_local_stack("chaos-")
     load_at_start = os.getloadavg()
 
     outcomes = []

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
-from pathlib import Path
 
 from bench.report import (
     REPO,
@@ -41,15 +39,10 @@ def main() -> None:
     command = invocation("bench.soak")
     console.print(f"[bold]$ {command}[/]")
 
-    from tests.conftest import write_tiny_model
     from tests.fault.fleet import Site
     from tests.fault.soak_run import SoakReport, soak
-    from worker.stack import StackConfig, stack_up
 
-    stack = StackConfig()
-    stack_up(stack)
-    workdir = Path(tempfile.mkdtemp(prefix="soak-"))
-    site = Site(stack, stack.redis_url, str(write_tiny_model(workdir / "tiny-llama", "llama")), workdir)
+    site = Site.on_local_stack("soak-")
     load_at_start = os.getloadavg()
     report = soak(site, minutes=args.minutes, rate=args.rate, workers=args.workers, seed=args.seed)
     o = report.outcome

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,6 +51,17 @@ class Site:
     def drop(self, topics: Topics) -> None:
         with contextlib.suppress(Exception):
             delete_topics(self.stack, list(topics.as_dict().values()))
+
+    @classmethod
+    def on_local_stack(cls, prefix: str) -> Site:
+        """For the bench scripts: the local stack (started if need be) and the tests' tiny llama in a temp folder."""
+        from tests.conftest import write_tiny_model
+        from worker.stack import stack_up
+
+        stack = StackConfig()
+        stack_up(stack)
+        workdir = Path(tempfile.mkdtemp(prefix=prefix))
+        return cls(stack, stack.redis_url, str(write_tiny_model(workdir / "tiny-llama", "llama")), workdir)
 
 
 @dataclass
