@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -47,23 +46,17 @@ from engine.quant.loading import quantize_pretrained
 from engine.quant.quantizers import int4_params, pack_int4, quantize_int4
 from engine.quant.search import quantize_weight
 from engine.tokenizer import Tokenizer
+from tests.reference.test_quant_reference import COPY_PROMPTS as TEST_COPY_PROMPTS
+from tests.reference.test_quant_reference import NUMBER
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 PLOT = REPO / "docs" / "quant_ppl_vs_bytes.png"
 KV_BUDGET = 1 << 30  # bytes of KV pool for the concurrency column
 SEQ_TOKENS = 1024  # tokens each concurrent sequence holds
 INT8_TIMING_RUNS = 3
-COPY_PROMPTS = [  # the same prompts as tests/reference/test_quant_reference.py, plus one the model fumbles
-    "Order #58213 was placed on 2024-03-17 for $74.99. What is the order number, the date and the price? "
-    "Answer briefly.",
-    "Invoice 90417: 3 items at $12.50 each, total $37.50, due 2025-01-09. What is the invoice number and the total?",
-    "The meeting moved from 14:30 to 16:45 on March 22, room 4B. When and where is the meeting now?",
-    "Customer ID 448120 paid $1,249.00 on 2023-11-28. How much did customer 448120 pay, and when?",
-    "Flight UA 2291 departs at 07:15 from gate 32 and arrives at 10:40. What is the flight number and "
-    "departure gate?",
-    "My tracking number is 7730152 and the package weighs 2.35 kg. Repeat the tracking number and the weight.",
-]
-NUMBER = re.compile(r"\d[\d,.:-]*\d|\d")
+# The pitfall test's prompts, plus one the model fumbles.
+COPY_PROMPTS = [*TEST_COPY_PROMPTS,
+                "My tracking number is 7730152 and the package weighs 2.35 kg. Repeat the tracking number and the weight."]
 
 
 def naive_per_tensor_int8(model, state: dict, qconfig: dict) -> dict:
