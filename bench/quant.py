@@ -245,9 +245,9 @@ def offload_rows(folder: Path) -> dict:
 
 
 _PREFILL_PROBE = """
-import re, sys, torch
+import re, sys, time, torch
 from engine import LLM, SamplingParams
-tokens = int(sys.argv[1])
+tokens, chunk_rows = int(sys.argv[1]), int(sys.argv[2])
 
 
 def peak_rss():  # VmHWM is this process's own high-water mark (ru_maxrss keeps the parent's across exec)
@@ -255,29 +255,87 @@ def peak_rss():  # VmHWM is this process's own high-water mark (ru_maxrss keeps 
         return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read())[1]) * 1024
 
 
+options = {} if chunk_rows < 0 else {"activation_chunk_rows": chunk_rows}  # < 0: a tree without the option
 llm = LLM("smollm2", dtype="float32", max_model_len=tokens + 8, max_num_batched_tokens=tokens + 8,
-          num_kv_blocks=tokens // 16 + 4, enable_prefix_caching=False)
+          num_kv_blocks=tokens // 16 + 4, enable_prefix_caching=False, **options)
 for c in llm.engine.kv_caches:  # touch every page of the pool first: nothing lazily mapped is left
     c.fill_(0)
 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0))
 before = peak_rss()
 prompt = torch.randint(10, 40000, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-after = peak_rss()
-print(before, after)
+start = time.perf_counter()
+out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+seconds = time.perf_counter() - start
+print(before, peak_rss(), seconds, out[0].token_ids[0])
 """
+# The commit before the workspace and the in-place RoPE/residual: the "before" of the comparison.
+PREFILL_BASELINE_COMMIT = "3c3d6b0"
 
 
-def peak_prefill_bytes(tokens: int = 4096) -> dict:
+def peak_prefill_bytes(tokens: int = 4096, repeats: int = 3, baseline: str | None = PREFILL_BASELINE_COMMIT) -> dict:
     """How far one `tokens`-token fp32 prefill raises the process's peak RSS, in a fresh process
-    whose weights and KV pool are already resident (so the rise is activations and workspaces)."""
+    whose weights and KV pool are already resident (so the rise is activations and workspaces);
+    the median of `repeats` processes per setting. `baseline` is a commit whose engine runs the same
+    probe from a temporary git worktree (the code before this memory work)."""
+    import statistics
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _PREFILL_PROBE, str(tokens)], capture_output=True, text=True,
-                         cwd=REPO, check=True).stdout.split()
-    before, after = int(out[-2]), int(out[-1])
-    return {"tokens": tokens, "peak_rss_rise_bytes": after - before, "rss_before_bytes": before}
+    settings = [("this tree, default (512-row MLP workspace)", None, 512),
+                ("this tree, activation_chunk_rows 0 (one-pass MLP)", None, 0)]
+    if baseline:
+        settings.insert(0, (f"before: commit {baseline} (one-pass MLP, out-of-place RoPE and residual)", baseline, -1))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="prefill-baseline-") as tmp:
+        for label, commit, chunk_rows in settings:
+            cwd = REPO
+            if commit:
+                cwd = Path(tmp) / "tree"
+                subprocess.run(["git", "worktree", "add", "--detach", str(cwd), commit], cwd=REPO, check=True,
+                               capture_output=True)
+            try:
+                runs = []
+                for _ in range(repeats):
+                    out = subprocess.run([sys.executable, "-c", _PREFILL_PROBE, str(tokens), str(chunk_rows)],
+                                         capture_output=True, text=True, cwd=cwd, check=True).stdout.split()
+                    runs.append((int(out[-3]) - int(out[-4]), float(out[-2]), int(out[-1])))
+            finally:
+                if commit:
+                    subprocess.run(["git", "worktree", "remove", "--force", str(cwd)], cwd=REPO, check=False)
+            rows.append({"setting": label, "commit": commit or "working tree",
+                         "activation_chunk_rows": "-" if chunk_rows < 0 else chunk_rows,
+                         "peak_rss_rise_bytes": statistics.median(r[0] for r in runs),
+                         "prefill_seconds": statistics.median(r[1] for r in runs),
+                         "rises": [r[0] for r in runs], "next_tokens": sorted({r[2] for r in runs})})
+    return {"tokens": tokens, "repeats": repeats, "rows": rows,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
+
+
+def prefill_lines(p: dict) -> list[str]:
+    if "rows" not in p:  # a result file from before the workspace existed
+        return [f"Activation memory of one {p['tokens']}-token fp32 prefill: peak RSS +"
+                f"{p['peak_rss_rise_bytes'] / 2**20:.0f} MiB (no workspace setting then)."]
+    before, after = p["rows"][0], next(r for r in p["rows"] if r["activation_chunk_rows"] == 512)
+    same = len({t for r in p["rows"] for t in r["next_tokens"]}) == 1
+    return [
+        markdown_table(f"Activation memory of one {p['tokens']}-token fp32 prefill (peak RSS rise over a process whose "
+                       f"weights and KV pool are resident; median of {p['repeats']} fresh processes)",
+                       ["setting", "memory.activation_chunk_rows", "peak RSS rise", "runs (MiB)", "prefill s"],
+                       [(r["setting"], r["activation_chunk_rows"], f"{r['peak_rss_rise_bytes'] / 2**20:.0f} MiB",
+                         ", ".join(f"{x / 2**20:.0f}" for x in r["rises"]), f"{r['prefill_seconds']:.2f}")
+                        for r in p["rows"]]),
+        f"Peak activation memory {after['peak_rss_rise_bytes'] / before['peak_rss_rise_bytes'] - 1:+.0%} against "
+        f"the code before (the seed's figure for intermediates is -30%); prefill time "
+        f"x{after['prefill_seconds'] / before['prefill_seconds']:.2f}; the sampled next token is "
+        f"{'the same in every setting' if same else 'NOT the same in every setting'}. Measured {p['date']} "
+        f"(load average {p['load']:.1f}) by `.venv/bin/python -m bench.quant --prefill-only` (the first row runs the "
+        "same probe in a git worktree of the parent commit). What changed: each layer's MLP runs in 512-row chunks "
+        "through one preallocated [512, 2 x intermediate] workspace shared by all layers and adds into the residual "
+        "stream in place (before: [4096, 3072] and [4096, 1536] fp32 at once); RoPE rotates q and k in place inside "
+        "the qkv output with half-width temporaries (bitwise the same arithmetic, tested); the residual adds are in "
+        "place; the qkv output is freed before o_proj. RSS counts what glibc keeps after frees as well as the live "
+        "tensors, so it is what an operator sees, and it varies from run to run (the runs column).",
+    ]
 
 
 def build_docs(data: dict) -> str:
@@ -361,11 +419,7 @@ def build_docs(data: dict) -> str:
         "here (the engine logs that), and on a CPU-only engine the table is in host memory either way. On a GPU "
         "with untied embeddings it would free vocab x hidden x dtype bytes of device memory for one host gather "
         "and a copy of (tokens x hidden) per step; not measured (no GPU).",
-        f"Activation memory of one {data['prefill']['tokens']}-token fp32 prefill: it raises the process's peak "
-        f"RSS by {data['prefill']['peak_rss_rise_bytes'] / 2**20:.0f} MiB over a process whose weights and KV pool "
-        "are already resident. Not done in this issue: preallocated workspaces and in-place changes to the "
-        "forward pass, so there is no before/after to report (logits are already computed only for the rows "
-        "that sample).",
+        *prefill_lines(data["prefill"]),
         *data.get("notes", []),
         f"![PPL against weight bytes]({PLOT.name})",
     ])
@@ -427,16 +481,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of GPL-3 to score")
     ap.add_argument("--render", action="store_true",
                     help="rewrite the docs section and plot from bench/results/quant.json (no measuring)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="measure only the 4096-token prefill's activation memory (before/after the workspace), "
+                         "store it in bench/results/quant.json and rewrite the docs section")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--stride", type=int, default=512)
     args = ap.parse_args()
     torch.manual_seed(0)
     folder = resolve_model("smollm2")
     mc = ModelConfig.from_folder(folder)
-    if args.render:
+    if args.render or args.prefill_only:
         import json
 
         data = json.loads((RESULTS / "quant.json").read_text())
+        if args.prefill_only:
+            data["prefill"] = peak_prefill_bytes(4096)
+            print_table("4096-token prefill", ["setting", "peak RSS rise MiB", "prefill s"],
+                        [(r["setting"], f"{r['peak_rss_rise_bytes'] / 2**20:.0f}", f"{r['prefill_seconds']:.2f}")
+                         for r in data["prefill"]["rows"]])
         for r in data["settings"]:  # concurrency is arithmetic on the layout: follow KV_BUDGET
             dtype = torch.bfloat16 if r["setting"] == "bf16" else torch.float32
             r["max_seqs"], r["kv_bytes_per_token"] = concurrency(mc, dtype, 8 if "KV" in r["setting"] else 16)
@@ -459,7 +521,7 @@ def main() -> None:
         data["pitfall"] = pitfall_rows(folder, made)
     data["kernels"] = kernel_rows()
     data["offload"] = offload_rows(folder)
-    data["prefill"] = peak_prefill_bytes(512 if args.quick else 4096)
+    data["prefill"] = peak_prefill_bytes(512, repeats=1, baseline=None) if args.quick else peak_prefill_bytes(4096)
     data["load_end"] = os.getloadavg()[0]
     write_json("quant-quick.json" if args.quick else "quant.json", data)
     print_table("Settings", ["setting", "weight MiB", "KV B/tok", "PPL", "tok/s", "seqs"],

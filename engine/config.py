@@ -52,6 +52,9 @@ class EngineConfig:
     # Keep the embedding table in host memory and gather rows there (saves device memory on CUDA
     # for untied embeddings; on the CPU the bytes are the same).
     embedding_offload: bool = False
+    # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
+    # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
+    activation_chunk_rows: int = 512
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0
@@ -93,6 +96,8 @@ class EngineConfig:
         if self.kv_fp_window and self.cache_bits != 8:
             raise InvalidRequestError("kv_fp_window keeps recent rows of an int8 KV cache at full precision; "
                                       "it needs cache_bits: 8")
+        if self.activation_chunk_rows < 0:
+            raise InvalidRequestError(f"activation_chunk_rows must be >= 0 (0: off), got {self.activation_chunk_rows}")
         if self.cpu_memory_bytes is not None and self.cpu_memory_bytes < 1:
             raise InvalidRequestError(f"cpu_memory_bytes must be positive, got {self.cpu_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

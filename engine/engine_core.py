@@ -25,6 +25,7 @@ from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.models.embedding_offload import offload_embedding
+from engine.models.llama import ActivationWorkspace
 from engine.models.loader import dummy_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
@@ -77,6 +78,9 @@ class EngineCore:
                                            self.device, self.tokenizer)
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
+        if config.activation_chunk_rows:
+            self.model.use_workspace(ActivationWorkspace(config.activation_chunk_rows, mc.hidden_size,
+                                                         mc.intermediate_size, self.dtype, self.device))
         self.weight_bytes = weight_bytes(self.model)
         self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype, self.weight_bytes)
         self.max_model_len = self.layout.max_model_len

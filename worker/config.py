@@ -82,6 +82,7 @@ class Secret:
 Seconds = Annotated[float, msgspec.Meta(gt=0, extra={"parse": "duration"})]
 Bytes = Annotated[int, msgspec.Meta(ge=1, extra={"parse": "bytes"})]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 # Kafka's legal topic names.
 TopicName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,249}$")]
@@ -145,6 +146,8 @@ class MemoryConfig(_Section):
     block_size: PositiveInt = 16
     enable_prefix_caching: bool = True
     embedding_offload: bool = False
+    # Prefills longer than this many tokens run the MLP in chunks through a preallocated workspace.
+    activation_chunk_rows: NonNegativeInt = 512
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -396,6 +399,7 @@ class ServiceConfig(_Section):
                 cpu_memory_bytes=memory.cpu_memory_bytes,
                 kv_cache_policy=memory.kv_cache_policy,
                 embedding_offload=memory.embedding_offload,
+                activation_chunk_rows=memory.activation_chunk_rows,
                 weight_bits=quant.weight_bits,
                 weight_group_size=quant.weight_group_size,
                 calibration_file=(str(Path(quant.calibration_file).expanduser())

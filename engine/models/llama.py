@@ -59,8 +59,29 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
+        rope.apply_(positions, q, k)  # in place: q and k are views of this layer's qkv output
+        out = self.backend.forward(q, k, v, kv_cache, meta)
+        del q, k, v  # the qkv output is not needed past attention: free it before o_proj allocates
+        return self.o_proj(out)
+
+
+class ActivationWorkspace:
+    """MLP buffers that every layer reuses for prefills of more than `rows` tokens.
+
+    Such a prefill runs its MLP in chunks of `rows` tokens, into these buffers, and adds each
+    chunk's output to the residual stream in place. Without it a 4096-token prefill holds
+    [4096, 2 * intermediate] and [4096, intermediate] activations at once (measured in
+    docs/BENCHMARKS.md). Layers run one at a time, so one workspace serves them all.
+    """
+
+    def __init__(self, rows: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows = rows
+        self.gate_up = torch.empty(rows, 2 * intermediate, dtype=dtype, device=device)
+        self.down = torch.empty(rows, hidden, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
 
 
 class MLP(nn.Module):
@@ -69,6 +90,7 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.workspace: ActivationWorkspace | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -78,6 +100,31 @@ class MLP(nn.Module):
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += MLP(x), in place; in workspace-sized chunks when x has more rows than the workspace."""
+        ws = self.workspace
+        if ws is None or x.shape[0] <= ws.rows:
+            return residual.add_(self(x))
+        for start in range(0, x.shape[0], ws.rows):
+            end = min(start + ws.rows, x.shape[0])
+            gate_up = _project(self.gate_up_proj, x[start:end], ws.gate_up[:end - start])
+            if gate_up.is_cuda:
+                from engine.models.fused_ops import silu_mul
+
+                act = silu_mul(gate_up)
+            else:
+                gate, up = gate_up.split(self.intermediate, dim=-1)
+                act = F.silu(gate, inplace=True).mul_(up)
+            residual[start:end].add_(_project(self.down_proj, act, ws.down[:end - start]))
+        return residual
+
+
+def _project(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A plain Linear writes into the workspace; quantized modules return their own tensor."""
+    if isinstance(module, Linear):
+        return module(x, out=out)
+    return module(x.contiguous())
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +143,10 @@ class DecoderLayer(nn.Module):
             h, _ = add_rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
             attn = self.self_attn(h, positions, rope, kv_cache, meta)
             h, x = add_rms_norm(attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, x)
-            return x + self.mlp(h)
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return self.mlp.add_to(h, x)
+        # The residual stream is this forward pass's own tensor (the embedding output): added to in place.
+        x.add_(self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta))
+        return self.mlp.add_to(self.post_attention_layernorm(x), x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,6 +170,11 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
+
+    def use_workspace(self, workspace: ActivationWorkspace | None) -> None:
+        """Share one activation workspace among all layers (None: every MLP runs in one pass)."""
+        for layer in self.layers:
+            layer.mlp.workspace = workspace
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

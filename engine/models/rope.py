@@ -50,6 +50,22 @@ class RotaryEmbedding(torch.nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+    def apply_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """forward() in place (q and k may be views of the fused qkv output), with half-width temporaries.
+
+        Each element gets the same arithmetic as forward() (x1*cos - x2*sin, x2*cos + x1*sin), so the
+        results are bitwise equal; cos and sin repeat across the two halves of the table.
+        """
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions, :half].unsqueeze(1)
+        sin = self.sin[positions, :half].unsqueeze(1)
+        for x in (q, k):
+            x1, x2 = x[..., :half], x[..., half:]
+            x1_sin, x2_sin = x1 * sin, x2 * sin
+            x1.mul_(cos).sub_(x2_sin)
+            x2.mul_(cos).add_(x1_sin)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
