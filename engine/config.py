@@ -52,9 +52,6 @@ class EngineConfig:
     # Keep the embedding table in host memory and gather rows there (saves device memory on CUDA
     # for untied embeddings; on the CPU the bytes are the same).
     embedding_offload: bool = False
-    # Write every page of the KV pool at start (CPU): RSS is the pool's full size from the first
-    # request on, and a host short of memory fails at start rather than mid-traffic.
-    kv_prefault: bool = False
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
     activation_chunk_rows: int = 512

@@ -84,7 +84,7 @@ class EngineCore:
         self.weight_bytes = weight_bytes(self.model)
         self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype, self.weight_bytes)
         self.max_model_len = self.layout.max_model_len
-        self.kv_caches = allocate_kv_caches(self.layout, mc, prefault=config.kv_prefault)
+        self.kv_caches = allocate_kv_caches(self.layout, mc)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
         # The deterministic prefill grid must fit in one step's budget (a derived value).
         bs = config.block_size

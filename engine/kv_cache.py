@@ -64,28 +64,14 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
                        cfg.kv_fp_window, cfg.max_num_seqs if cfg.kv_fp_window else 0, ring_bytes)
 
 
-def allocate_kv_caches(layout: CacheLayout, model: ModelConfig, prefault: bool = False) -> list:
-    """The KV pool of every layer; with `prefault`, resident from the start.
-
-    On the CPU a large zeroed allocation is only mapped, and its pages become resident as
-    blocks are first written: the process grows for as long as the pool takes to be used once,
-    and a host short of memory fails then, mid-traffic, instead of at start. `prefault` writes
-    every page here (a memset of the pool, well under a second per GiB); workers do so.
-    """
+def allocate_kv_caches(layout: CacheLayout, model: ModelConfig) -> list:
     # One block more than the block manager hands out: block `num_blocks` is scratch,
     # where padded rows (CUDA-graph buckets) write without touching anyone's KV.
     if layout.cache_bits == 8:
         from engine.attention.kv_int8 import Int8KVCache
 
-        caches = [Int8KVCache.allocate(layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim,
-                                       layout.window, layout.window_slots, layout.dtype, layout.device)
-                  for _ in range(model.num_layers)]
-    else:
-        shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)
-        caches = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(model.num_layers)]
-    if prefault and layout.device.type == "cpu":
-        for cache in caches:
-            for t in (cache,) if isinstance(cache, torch.Tensor) else vars(cache).values():
-                if isinstance(t, torch.Tensor):
-                    t.fill_(0)
-    return caches
+        return [Int8KVCache.allocate(layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim,
+                                     layout.window, layout.window_slots, layout.dtype, layout.device)
+                for _ in range(model.num_layers)]
+    shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)
+    return [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(model.num_layers)]

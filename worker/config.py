@@ -146,9 +146,6 @@ class MemoryConfig(_Section):
     block_size: PositiveInt = 16
     enable_prefix_caching: bool = True
     embedding_offload: bool = False
-    # Write every page of the KV pool at start (CPU): the worker's RSS is flat from the first
-    # request, and a host short of memory fails at start, not mid-traffic.
-    kv_prefault: bool = True
     # Prefills longer than this many tokens run the MLP in chunks through a preallocated workspace.
     activation_chunk_rows: NonNegativeInt = 512
 
@@ -403,7 +400,6 @@ class ServiceConfig(_Section):
                 kv_cache_policy=memory.kv_cache_policy,
                 embedding_offload=memory.embedding_offload,
                 activation_chunk_rows=memory.activation_chunk_rows,
-                kv_prefault=memory.kv_prefault,
                 weight_bits=quant.weight_bits,
                 weight_group_size=quant.weight_group_size,
                 calibration_file=(str(Path(quant.calibration_file).expanduser())

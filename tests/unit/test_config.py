@@ -338,12 +338,11 @@ def test_errors_elsewhere_do_not_echo_secrets(tmp_path):
 def test_engine_config_mapping(tmp_path):
     from engine.config import EngineConfig
 
-    assert load_config(None, env={}).engine_config() == EngineConfig(max_cache_ratio=0.4, kv_prefault=True)
+    assert load_config(None, env={}).engine_config() == EngineConfig(max_cache_ratio=0.4)
     text = (
         "model: {name: /models/qwen, dtype: bfloat16, device: 'cuda:1', max_seq_len: 8192}\n"
         "execution: {max_num_seqs: 32, max_num_batched_tokens: 4096, num_threads: 4}\n"
-        "memory: {block_size: 32, enable_prefix_caching: false, kv_cache_bytes: 1GiB, max_cache_ratio: 0.5,\n"
-        "         kv_prefault: false, activation_chunk_rows: 256}\n"
+        "memory: {block_size: 32, enable_prefix_caching: false, kv_cache_bytes: 1GiB, max_cache_ratio: 0.5}\n"
         "quantization: {weight_bits: 8, cache_bits: 8}\n"
     )
     engine = load_config(write(tmp_path, text), env={}).engine_config()
@@ -351,7 +350,6 @@ def test_engine_config_mapping(tmp_path):
         model="/models/qwen", dtype="bfloat16", device="cuda:1", max_model_len=8192, max_num_seqs=32,
         max_num_batched_tokens=4096, block_size=32, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30,
         max_cache_ratio=0.5, kv_cache_policy="lru", weight_bits=8, cache_bits=8, num_threads=4,
-        activation_chunk_rows=256,
     )
 
 
