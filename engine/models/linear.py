@@ -5,8 +5,13 @@ streamed from memory (bench numbers in docs/BENCHMARKS.md):
 - 1-8 rows: a linear layer only streams its weight; BLAS picks slow paths
   there, so the skinny kernel of the CPU extension runs it at close to memory
   bandwidth (2-4x faster than MKL);
-- 9-256 rows (decode batches): oneDNN's matmul on the plain weight is 20-30%
-  faster than MKL's sgemm, and 2x on the LM head;
+- 9-256 rows (decode batches): oneDNN's matmul on the plain weight is 10-30%
+  faster than MKL's sgemm, and about 1.4x on the LM head. oneDNN keeps a
+  compiled primitive (0.5-1 MB each) per input shape for the life of the
+  process, up to 1024 of them, so every new row count grew the worker by that
+  much, for hours (found by the fuzz suite's RSS check). Rows are padded up to
+  a few buckets (multiples of 16 to 128, of 32 to 256): 12 shapes per weight,
+  all seen in the first minutes of traffic, then RSS is flat;
 - more rows (prefill chunks): MKL, which is as fast or faster there.
 Only fp32 on the CPU takes the special paths; everything else is F.linear.
 
@@ -74,6 +79,12 @@ def _onednn_available() -> bool:
         return False
 
 
+def onednn_bucket(rows: int) -> int:
+    """The row count a oneDNN linear runs at: one of 12 buckets, so its primitive cache stays small."""
+    step = 16 if rows <= 128 else 32
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by the fastest path for x's rows; with `out`, written there (a workspace)."""
@@ -91,7 +102,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if kernel is not None:
                 result = kernel(x, weight, bias)
         elif rows <= ONEDNN_MAX_ROWS and _onednn_available():
-            result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            padded = onednn_bucket(rows)
+            if padded != rows:
+                xp = x.new_zeros(padded, x.shape[1])
+                xp[:rows] = x
+                x = xp
+            result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
         if result is not None:
             return result if out is None else out.copy_(result)
     if out is None:

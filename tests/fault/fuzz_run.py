@@ -26,24 +26,13 @@ from tests.fault.ledger import read_committed
 from tests.fault.scenarios import Outcome
 from worker.client import RequestProducer, TopicReader
 
-# The KV cache is allocated zeroed but its pages become resident only when a block is first
-# written, and blocks are handed out least recently used first, so RSS climbs by the KV bytes of
-# every valid request until the whole cache has been used once (with the tiny model about 80 kB
-# a request, up to the harness's 256 MiB). A small cache bounds that climb to under 1% of the
-# worker's RSS, so what the flatness check sees is the message path's own memory.
-KV_CACHE_BYTES = "8MiB"
 # The bound: the worker's RSS stays within 5% of its size after the warm-up.
 RSS_LIMIT = 0.05
-# oneDNN (torch's CPU kernels) caches up to 1024 compiled primitives keyed by tensor shape, and
-# every new prompt length is a new shape: with the tiny model that bounded cache alone added
-# about 250 MB over the first few hundred distinct lengths, then stopped. The valid control
-# messages would fill it during the run and read as a leak of the message path, so the fuzz
-# worker runs without it (docs/reliability.md has both measurements).
-ENGINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
-# Beyond oneDNN, the engine's CPU memory still climbs with each new prompt length until every
-# length has been seen once (about +130 MB in-process with the tiny model, then flat). So the
-# warm-up starts with a sweep of valid prompts of every length up to the tiny model's 512
-# positions (the chat template adds about 30 tokens), before the fuzz warm-up share.
+# The worker runs as shipped (its KV pool is resident from allocation: torch.zeros writes every
+# page). Its memory still grows while it first meets each engine shape: oneDNN keeps a compiled primitive per
+# (row bucket, weight) for the process's life (engine/models/linear.py). So the warm-up starts
+# with a sweep of valid prompts of every length up to the tiny model's 512 positions (the chat
+# template adds about 30 tokens), before the fuzz warm-up share; after that RSS must be flat.
 SWEEP_MAX_CHARS = 480
 
 
@@ -124,10 +113,8 @@ async def _until(outputs: _Outputs, want: int, timeout_s: float) -> None:
 
 
 def fuzz(site: Site, *, total: int = 10_000, seed: int = 0, warmup_share: float = 0.2, rounds: int = 4,
-         max_message_bytes: int = 1 << 20, kv_cache_bytes: str = KV_CACHE_BYTES, timeout_s: float = 600) -> Outcome:
-    fleet = Fleet(site, site.topics("fuzz"), sections={"kafka": {"max_message_bytes": max_message_bytes},
-                                                       "memory": {"kv_cache_bytes": kv_cache_bytes}},
-                  env=dict(ENGINE_ENV))
+         max_message_bytes: int = 1 << 20, timeout_s: float = 600) -> Outcome:
+    fleet = Fleet(site, site.topics("fuzz"), sections={"kafka": {"max_message_bytes": max_message_bytes}})
     run = f"fz{seed}"
     try:
         worker = fleet.start("w1")

@@ -45,8 +45,6 @@ def test_ten_thousand_bad_records_each_get_exactly_one_answer_and_no_worker_dies
     assert detail["codes"]["result"].get("ok", 0) == detail["by_category"]["valid"]
 
 
-@pytest.mark.xfail(reason="known, not fixed: with mixed bad input the worker's RSS creeps by several kB a message "
-                          "(linear over 30,000 messages, not a plateau); see docs/reliability.md", strict=False)
 def test_worker_rss_stays_within_five_percent_after_warm_up(fuzzed):
     assert fuzzed.detail["rss_problem"] is None, (fuzzed.detail["rss_problem"], RSS_LIMIT)
     assert fuzzed.detail["rss_growth"] <= RSS_LIMIT

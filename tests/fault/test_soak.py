@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fault.fuzz_run import ENGINE_ENV
 from tests.fault.soak_run import soak
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -17,9 +16,7 @@ MAX_RSS_GROWTH = 0.10
 
 
 def test_two_minute_soak_has_no_errors_no_loss_and_bounded_memory(site):
-    # Without oneDNN's primitive cache, which fills with every new prompt shape for several minutes
-    # (bounded, about +250 MB; bench/soak.py runs with it and shows where it levels off).
-    report = soak(site, minutes=2.0, rate=4.0, workers=2, env=ENGINE_ENV)
+    report = soak(site, minutes=2.0, rate=4.0, workers=2)
     for row in report.rows():
         print(row)
     outcome = report.outcome
