@@ -47,7 +47,7 @@ SCENARIOS = {
              {"concurrent": 2, "max_tokens": 96, "max_poll_interval_ms": 3000}),
     "sigterm": ("sigterm_under_load", {"requests": 1000, "rate": 20.0, "max_tokens": (16, 64)},
                 {"requests": 300, "rate": 20.0, "max_tokens": (16, 64)}),
-    "fuzz": ("fuzz", {"total": 20_000}, {"total": 10_000}),
+    "fuzz": ("fuzz", {"total": 30_000, "rounds": 10}, {"total": 10_000}),
 }
 
 
@@ -137,6 +137,12 @@ def main() -> None:
                     f"    {command}", markdown_table(title, headers, rows)]
         if code_rows:
             sections.append(markdown_table("Fuzz: answers by code", ["code", "answered as", "messages"], code_rows))
+        if fuzz is not None and "baseline_kb" in fuzz.detail:
+            d = fuzz.detail
+            sections.append(
+                f"Fuzz worker RSS: {d['baseline_kb']:,} kB after the warm-up, then after each round "
+                f"{', '.join(f'{kb:,}' for kb in d['rss_after_round_kb'])} kB; highest sample {d['rss_max_after_kb']:,} kB, "
+                f"{d['rss_growth']:+.1%} (bound: +5%).")
         sections.append("See docs/reliability.md for what each scenario does and the test that keeps it true.")
         update_docs_section("chaos", "\n\n".join(sections), RELIABILITY)
 

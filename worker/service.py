@@ -91,6 +91,22 @@ class InFlight:
     extra: dict = field(default_factory=dict)
 
 
+async def stop_tasks(tasks: list[asyncio.Task], timeout_s: float) -> list[str]:
+    """Cancel `tasks` and wait for them, cancelling again every half second: a task whose
+    cancellation was swallowed (Python 3.11's wait_for can lose one) gets another. Returns the
+    names of those still running after `timeout_s`."""
+    pending = {t for t in tasks if not t.done()}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
+    return sorted(t.get_name() for t in pending)
+
+
 class Worker:
     def __init__(self, config, worker_id: str | None = None, *, registry=None, engine: EngineCore | None = None) -> None:
         self.config = config
@@ -131,6 +147,7 @@ class Worker:
         self.engine_loop: EngineLoop | None = None
         self.http: HealthServer | None = None
         self._tasks: list[asyncio.Task] = []
+        self.stuck_tasks: list[str] = []  # set by shutdown(): tasks that would not stop
         self._prepare_tasks: dict[asyncio.Task, TopicPartition] = {}
         self._awaiting_setup: set[TopicPartition] = set()  # paused by _intake until on_assigned is done
 
@@ -243,11 +260,15 @@ class Worker:
             self.engine_loop.abort(list(self.inflight))
             self.inflight.clear()
         await self._flush_all()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Leave the group before anything else can stall: a stopping worker that stayed in it
+        # would be handed partitions again and sit on them (found by bench.chaos, where one
+        # task ignored its cancellation and the shutdown never got this far).
         with contextlib.suppress(Exception):
-            await self.consumer.stop()
+            await asyncio.wait_for(self.consumer.stop(), timeout=max(10.0, timeout))
+        self.stuck_tasks = await stop_tasks(self._tasks, timeout_s=5.0)
+        if self.stuck_tasks:
+            log.error("tasks did not stop after repeated cancellation; the process will exit without them",
+                      tasks=self.stuck_tasks)
         with contextlib.suppress(Exception):
             await self.publisher.close()
         with contextlib.suppress(Exception):

@@ -8,7 +8,9 @@ unreadable secret file, no broker answering); the log line says which.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -67,4 +69,10 @@ async def _run(cfg, worker_id: str | None, metrics_port: int | None) -> int:
     except ACCESS_ERRORS as exc:  # the credentials changed between the check and the start
         log.error("cannot start", reason=str(exc))
         return EXIT_NO_ACCESS
+    if w.stuck_tasks:
+        # Results and offsets are committed or aborted by now; asyncio.run would cancel the
+        # stuck tasks once more and wait for them for ever, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
