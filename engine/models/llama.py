@@ -79,10 +79,6 @@ class ActivationWorkspace:
         self.gate_up = torch.empty(rows, 2 * intermediate, dtype=dtype, device=device)
         self.down = torch.empty(rows, hidden, dtype=dtype, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -93,13 +89,16 @@ class MLP(nn.Module):
         self.workspace: ActivationWorkspace | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self._activate(self.gate_up_proj(x)))
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up; on the CPU written over the gate half of `gate_up`, which nothing else reads."""
         if gate_up.is_cuda:
             from engine.models.fused_ops import silu_mul
 
-            return self.down_proj(silu_mul(gate_up))
+            return silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return F.silu(gate, inplace=True).mul_(up)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += MLP(x), in place; in workspace-sized chunks when x has more rows than the workspace."""
@@ -108,14 +107,7 @@ class MLP(nn.Module):
             return residual.add_(self(x))
         for start in range(0, x.shape[0], ws.rows):
             end = min(start + ws.rows, x.shape[0])
-            gate_up = _project(self.gate_up_proj, x[start:end], ws.gate_up[:end - start])
-            if gate_up.is_cuda:
-                from engine.models.fused_ops import silu_mul
-
-                act = silu_mul(gate_up)
-            else:
-                gate, up = gate_up.split(self.intermediate, dim=-1)
-                act = F.silu(gate, inplace=True).mul_(up)
+            act = self._activate(_project(self.gate_up_proj, x[start:end], ws.gate_up[:end - start]))
             residual[start:end].add_(_project(self.down_proj, act, ws.down[:end - start]))
         return residual
 
