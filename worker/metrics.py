@@ -46,6 +46,7 @@ OVERFLOW_LABEL_VALUE = "other"
 _OPEN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]{1,249}$")
 
 # Buckets, in seconds unless the name says otherwise.
+GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 PIPELINE_STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -61,6 +62,7 @@ HISTOGRAM_NAMES: tuple[str, ...] = (
     "infinilm_time_per_output_token_seconds",
     "infinilm_e2e_request_latency_seconds",
     "infinilm_queue_time_seconds",
+    "infinilm_gc_pause_seconds",
 )
 
 # Every metric, by the name PromQL uses: counters with _total, the info metric
@@ -86,6 +88,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "infinilm_kafka_transactions_total",
     "infinilm_batches_total",
     "infinilm_padding_tokens_total",
+    "infinilm_gc_collected_objects_total",
     *HISTOGRAM_NAMES,
 )
 
@@ -149,6 +152,18 @@ class WorkerMetrics:
             "infinilm_pipeline_stall",
             "Seconds the compute loop waited, per engine step, while work was pending.",
             buckets=PIPELINE_STALL_BUCKETS,
+            registry=r,
+        )
+
+        self.gc_pause = Histogram(
+            "infinilm_gc_pause_seconds",
+            "Seconds each timed full garbage collection held the worker's event loop (worker/memory.py).",
+            buckets=GC_PAUSE_BUCKETS,
+            registry=r,
+        )
+        self.gc_collected = Counter(
+            "infinilm_gc_collected_objects_total",
+            "Unreachable objects the timed full garbage collections freed.",
             registry=r,
         )
 
@@ -393,6 +408,10 @@ class WorkerMetrics:
         self.batches.labels(bucket=label).inc()
         if padding_tokens > 0:
             self.padding_tokens.inc(padding_tokens)
+
+    def observe_gc(self, collected: int, seconds: float) -> None:
+        self.gc_collected.inc(max(0, collected))
+        self.gc_pause.observe(max(0.0, seconds))
 
     # -- Kafka ------------------------------------------------------------
 

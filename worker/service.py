@@ -49,6 +49,7 @@ from worker.handlers.chat import ChatHandler
 from worker.handlers.risk import RiskHandler
 from worker.http import HealthServer
 from worker.kafka_clients import check_kafka_access, client_kwargs
+from worker.memory import collect_cycles, freeze_startup_objects
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
 from worker.publisher import (
@@ -199,6 +200,8 @@ class Worker:
             await self.publisher.start()
         self.consumer.subscribe(list(self._kind_topics.values()), listener=_Rebalance(self))
         await self.consumer.start()
+        # The model, tokenizer and clients are built: later full collections need not walk them.
+        frozen = freeze_startup_objects()
         self._started = True
         self._tasks = [asyncio.create_task(coro, name=name) for name, coro in (
             ("consume", self._consume_loop()),
@@ -210,7 +213,8 @@ class Worker:
         for task in self._tasks:
             task.add_done_callback(self._task_done)
         log.info("worker started", model=self.model_name, topics=list(self._kind_topics.values()),
-                 delivery=cfg.kafka.delivery, metrics_port=self.http.port if self.http else None)
+                 delivery=cfg.kafka.delivery, metrics_port=self.http.port if self.http else None,
+                 gc_frozen_objects=frozen)
 
     def _task_done(self, task: asyncio.Task) -> None:
         # A loop that dies would silently stop the worker's progress: make it loud
@@ -635,6 +639,8 @@ class Worker:
     async def _housekeeping_loop(self) -> None:
         while True:
             await asyncio.sleep(5)
+            # Dropped fetch buffers are reference cycles that pin whole fetch responses (worker/memory.py).
+            self.metrics.observe_gc(*collect_cycles())
             lags: dict[str, int] = {}
             for tp in list(self.consumer.assignment()):
                 try:

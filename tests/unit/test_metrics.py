@@ -50,6 +50,7 @@ def exercise(metrics: WorkerMetrics) -> None:
     metrics.inc_redis_error("hset")
     metrics.set_redis_up(True)
     metrics.inc_rule_violation("no_refund_promise")
+    metrics.observe_gc(collected=120, seconds=0.0008)
 
 
 def exposed_samples(registry: CollectorRegistry) -> dict[str, list]:
@@ -101,6 +102,9 @@ def test_observations_land_in_the_right_series():
     assert value(s, "infinilm_padding_tokens_total") == 17
     assert value(s, "infinilm_consumer_lag", topic="infinilm.requests.chat") == 5
     assert value(s, "infinilm_redis_up") == 1
+    assert value(s, "infinilm_gc_collected_objects_total") == 120
+    assert value(s, "infinilm_gc_pause_seconds_bucket", le="0.001") == 1
+    assert value(s, "infinilm_gc_pause_seconds_bucket", le="0.0005") == 0
     info = value(s, "infinilm_worker_info", worker_id="worker-0", model="smollm2", version="0.1.0")
     assert info == 1
 
