@@ -78,6 +78,13 @@ def measure_machine(reps: int, on_step: Callable[[], None] = lambda: None) -> Ma
     return MachineRates(gemm, max(gemm.values()), read, copy)
 
 
+def best_rates(measurements: list[dict]) -> dict:
+    """The highest rate of each kind over several `MachineRates.to_dict()`: the roof is what the machine can do."""
+    gemm = {shape: max(m["gemm_gflops"][shape] for m in measurements) for shape in measurements[0]["gemm_gflops"]}
+    return MachineRates(gemm, max(gemm.values()), max(m["read_gbps"] for m in measurements),
+                        max(m["copy_gbps"] for m in measurements)).to_dict()
+
+
 def describe_machine() -> dict:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):

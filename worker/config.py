@@ -148,6 +148,8 @@ class MemoryConfig(_Section):
     embedding_offload: bool = False
     # Prefills longer than this many tokens run the MLP in chunks through a preallocated workspace.
     activation_chunk_rows: NonNegativeInt = 512
+    # fp32 on the CPU: a oneDNN-layout copy of each linear weight, for faster decode batches.
+    cpu_prepack_weights: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -400,6 +402,7 @@ class ServiceConfig(_Section):
                 kv_cache_policy=memory.kv_cache_policy,
                 embedding_offload=memory.embedding_offload,
                 activation_chunk_rows=memory.activation_chunk_rows,
+                cpu_prepack_weights=memory.cpu_prepack_weights,
                 weight_bits=quant.weight_bits,
                 weight_group_size=quant.weight_group_size,
                 calibration_file=(str(Path(quant.calibration_file).expanduser())

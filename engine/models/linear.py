@@ -15,6 +15,12 @@ streamed from memory (bench numbers in docs/BENCHMARKS.md):
 - more rows (prefill chunks): MKL, which is as fast or faster there.
 Only fp32 on the CPU takes the special paths; everything else is F.linear.
 
+With `prepack` (engine option `cpu_prepack_weights`), each weight also gets a
+copy in oneDNN's blocked layout, which the 9-256-row path then reads instead
+of the plain one: oneDNN no longer re-lays the weight out on every call. It
+costs a second copy of the linear weights in memory; `bench.throughput
+--prepack` measures what it buys.
+
 Batch-invariant mode (deterministic requests) routes every linear to a kernel
 whose per-row arithmetic does not depend on the number of rows, at a
 throughput cost measured in docs/BENCHMARKS.md.
@@ -34,6 +40,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8
 ONEDNN_MAX_ROWS = 256
+# The row count oneDNN chooses the packed layout for (any row count can use it).
+PACK_HINT_ROWS = 64
 _mode = threading.local()
 
 
@@ -85,9 +93,19 @@ def onednn_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in oneDNN's blocked layout for `linear(..., packed=)`, or None where that path does not run."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) by the fastest path for x's rows; with `out`, written there (a workspace)."""
+           out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by the fastest path for x's rows; with `out`, written there (a workspace).
+
+    `packed` is `prepack(weight)`, used by the oneDNN path instead of `weight`.
+    """
     rows = x.shape[0]
     if (x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
             and not torch.is_grad_enabled()):
@@ -107,7 +125,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 xp = x.new_zeros(padded, x.shape[1])
                 xp[:rows] = x
                 x = xp
-            result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+            w = weight if packed is None else packed
+            result = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")[:rows]
         if result is not None:
             return result if out is None else out.copy_(result)
     if out is None:
@@ -120,5 +139,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
+    # Set by prepack_linears; deliberately not a parameter or buffer, so state dicts stay plain.
+    packed: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, out)
+        return linear(x, self.weight, self.bias, out, self.packed)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every fp32 CPU `Linear` in `model` its packed weight; returns the bytes added."""
+    added = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and (packed := prepack(module.weight)) is not None:
+            module.packed = packed
+            added += module.weight.numel() * module.weight.element_size()
+    return added

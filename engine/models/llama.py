@@ -15,7 +15,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear, linear
+from engine.models.linear import Linear, linear, prepack, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
 
@@ -35,9 +35,11 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Embedding):
+    packed_head: torch.Tensor | None = None  # the weight packed for the LM head (prepack_linears)
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits over the vocabulary from hidden states."""
-        return linear(hidden, self.weight)
+        return linear(hidden, self.weight, packed=self.packed_head)
 
 
 class Attention(nn.Module):
@@ -167,6 +169,14 @@ class LlamaForCausalLM(nn.Module):
         """Share one activation workspace among all layers (None: every MLP runs in one pass)."""
         for layer in self.layers:
             layer.mlp.workspace = workspace
+
+    def prepack_weights(self) -> int:
+        """oneDNN-layout copies of the fp32 CPU linear weights, the tied LM head included; bytes added."""
+        added = prepack_linears(self)
+        if self.lm_head is None and (packed := prepack(self.embed_tokens.weight)) is not None:
+            self.embed_tokens.packed_head = packed
+            added += self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return added
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

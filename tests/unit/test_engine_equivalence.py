@@ -61,3 +61,16 @@ def test_chunked_prefill_equals_unchunked(tiny_llama, baseline):
     # A 16-token budget splits every prompt (up to 100 tokens) into chunks.
     outs, _ = run(tiny_llama, max_num_batched_tokens=16, num_kv_blocks=256, enable_prefix_caching=False)
     assert_same_greedy(outs, baseline)
+
+
+def test_prepacked_weights_equal_plain(tiny_llama):
+    # Twelve sequences, so decode steps (12 rows) and 64-token prefill chunks take the oneDNN path
+    # that reads the packed copies; the skinny and MKL paths read the plain weights either way.
+    many = prompts() * 2
+    plain = LLM(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=256,
+                max_num_batched_tokens=64, enable_prefix_caching=False).generate(many, PARAMS)
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
+              enable_prefix_caching=False, cpu_prepack_weights=True)
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters() if p.dim() == 2)
+    assert 0 < llm.engine.prepacked_bytes <= weights
+    assert_same_greedy(llm.generate(many, PARAMS), plain)

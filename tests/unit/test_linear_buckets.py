@@ -26,3 +26,35 @@ def test_padded_rows_give_the_unpadded_result(rows):
     assert got.shape == (rows, 80) and got.is_contiguous()
     torch.testing.assert_close(got, x @ w.T + b, rtol=1e-5, atol=1e-4)
     assert into is out and torch.equal(out, got)
+
+
+@pytest.mark.skipif(not lin._onednn_available(), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("rows", [1, 8, 9, 64, 100, 256, 300])
+def test_prepacked_weight_gives_the_plain_result(rows):
+    """Rows 9-256 read the packed copy; the other paths ignore it and read the plain weight."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    packed = lin.prepack(w)
+    assert packed is not None and packed.is_mkldnn
+    with torch.no_grad():
+        got = lin.linear(x, w, b, packed=packed)
+    assert got.shape == (rows, 80)
+    torch.testing.assert_close(got, x @ w.T + b, rtol=1e-5, atol=1e-4)
+
+
+def test_prepack_skips_weights_its_path_never_reads():
+    assert lin.prepack(torch.randn(8, 8, dtype=torch.float64)) is None
+    assert lin.prepack(torch.randn(8, 8).to(torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(not lin._onednn_available(), reason="this torch build has no oneDNN linear")
+def test_prepack_linears_packs_every_linear_and_counts_its_bytes():
+    model = torch.nn.Sequential(lin.Linear(16, 32), torch.nn.ReLU(), lin.Linear(32, 8, bias=False))
+    added = lin.prepack_linears(model)
+    assert added == (32 * 16 + 8 * 32) * 4
+    assert all(m.packed is not None for m in model if isinstance(m, lin.Linear))
+    x = torch.randn(20, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), torch.relu(x @ model[0].weight.T + model[0].bias) @ model[2].weight.T,
+                                   rtol=1e-5, atol=1e-5)
+    assert "packed" not in str(list(model.state_dict()))
