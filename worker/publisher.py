@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -69,6 +70,10 @@ class TransactionalPublisher:
         self._timeout_ms = transaction_timeout_ms
         self._on_txn = on_transaction or (lambda outcome: None)
         self._producers: dict[TopicPartition, AIOKafkaProducer] = {}
+        # One transaction at a time per partition: the flush loop and a rebalance may both flush it.
+        self._locks: dict[TopicPartition, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Begun and not yet committed or aborted: a publish cancelled part-way leaves its partition here.
+        self._open: set[TopicPartition] = set()
 
     def transactional_id(self, tp: TopicPartition) -> str:
         return f"{self._prefix}.{self._group_id}.{tp.topic}.{tp.partition}"
@@ -93,27 +98,41 @@ class TransactionalPublisher:
 
     async def remove_partitions(self, tps: list[TopicPartition]) -> None:
         producers = [self._producers.pop(tp) for tp in tps if tp in self._producers]
+        self._open.difference_update(tps)
         await asyncio.gather(*(p.stop() for p in producers), return_exceptions=True)
 
     async def publish(self, release: Release) -> bool:
         """Commit one release; False means retry later. Raises PartitionLost if fenced."""
         tp = TopicPartition(release.topic, release.partition)
+        async with self._locks[tp]:
+            return await self._publish(tp, release)
+
+    async def _publish(self, tp: TopicPartition, release: Release) -> bool:
         producer = self._producers.get(tp)
+        if producer is not None and tp in self._open:
+            # An earlier publish was cancelled mid-transaction (a rebalance or shutdown): its
+            # transaction is still open, holding back read_committed readers. End it first.
+            await self._recover(tp, producer)
+            producer = self._producers.get(tp)
         if producer is None:
             return False  # not started yet, or being restarted after an error: `ensure` retries it
         try:
             await producer.begin_transaction()
+            self._open.add(tp)
             for rec in release.records:
                 await producer.send(rec.topic, rec.value, key=rec.key, headers=list(rec.headers))
             await producer.send_offsets_to_transaction({tp: release.commit_offset}, self._group_id)
             await producer.commit_transaction()
+            self._open.discard(tp)
             self._on_txn("committed")
             return True
         except ProducerFenced as exc:
             self._on_txn("fenced")
             await self.remove_partitions([tp])
             raise PartitionLost(f"{tp}: fenced by a newer owner") from exc
-        except KafkaError as exc:
+        except Exception as exc:
+            # A Kafka error, or aiokafka refusing a state change: either way the transaction
+            # must not stay open (an open one stalls every read_committed reader of the topic).
             log.warning("transaction for %s failed, will retry: %r", tp, exc)
             self._on_txn("aborted")
             await self._recover(tp, producer)
@@ -122,6 +141,7 @@ class TransactionalPublisher:
     async def _recover(self, tp: TopicPartition, producer: AIOKafkaProducer) -> None:
         try:
             await producer.abort_transaction()
+            self._open.discard(tp)
         except Exception:
             # The producer is in an unknown state: replace it; InitProducerId aborts
             # whatever it left open.

@@ -248,13 +248,13 @@ class Worker:
         self._started = False
         timeout = self.config.worker.shutdown_timeout_s
         log.info("shutting down", in_flight=len(self.inflight), timeout_s=timeout)
+        deadline = time.monotonic() + timeout  # the drain's bound counts from the signal
         self._stopping.set()
         consume = next((t for t in self._tasks if t.get_name() == "consume"), None)
         if consume:
             consume.cancel()
             await asyncio.gather(consume, return_exceptions=True)
         self._submit(self.batcher.drain())
-        deadline = time.monotonic() + timeout
         while (self.inflight or self._prepare_tasks) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for task in list(self._prepare_tasks):
@@ -263,7 +263,9 @@ class Worker:
             log.warning("aborting unfinished requests; they will be redelivered", count=len(self.inflight))
             self.engine_loop.abort(list(self.inflight))
             self.inflight.clear()
-        await self._flush_all()
+        # Bounded: what is not committed by then is redelivered to the partition's next owner.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._flush_all(), timeout=max(10.0, timeout))
         # Leave the group before anything else can stall: a stopping worker that stayed in it
         # would be handed partitions again and sit on them (found by bench.chaos, where one
         # task ignored its cancellation and the shutdown never got this far).
@@ -578,7 +580,8 @@ class Worker:
                 if isinstance(outcome, BaseException):
                     log.warning("publish failed", partition=str(tp), error=repr(outcome))
                 tracker.restore(release)
-        await self.publisher.ensure(list(self.trackers))
+        if not self._stopping.is_set():  # a stopping worker starts no producers
+            await self.publisher.ensure(list(self.trackers))
         self._update_pause()
 
     async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:

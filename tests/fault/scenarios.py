@@ -130,11 +130,11 @@ async def _victim(fleet: Fleet, rng: random.Random, exclude: tuple[str, ...] = (
         await asyncio.sleep(0.5)
 
 
-async def _until_in_flight(process: WorkerProcess, limit_s: float) -> None:
-    """Until the worker's /readyz shows requests in flight (or `limit_s` passed; the caller's check then fails)."""
+async def _until_in_flight(process: WorkerProcess, limit_s: float, at_least: int = 1) -> None:
+    """Until the worker's /readyz shows `at_least` requests in flight (or `limit_s` passed; the caller's check then fails)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        if ((await asyncio.to_thread(process.ready)) or {}).get("in_flight", 0) > 0:
+        if ((await asyncio.to_thread(process.ready)) or {}).get("in_flight", 0) >= at_least:
             return
         await asyncio.sleep(0.05)
 
@@ -318,16 +318,20 @@ def long_generations(site: Site, *, model: str, concurrent: int = 4, max_tokens:
 # ---- SIGTERM under load -------------------------------------------------------------------
 
 
+HASTY_DRAIN_S = 0.001
+
+
 def sigterm_under_load(site: Site, *, requests: int = 400, workers: int = 3, seed: int = 0, rate: float = 8.0,
                        max_tokens: tuple[int, int] = (32, 200), timeout_s: float = 600) -> Outcome:
-    """SIGTERM two workers mid-load and restart them: one drains its work, one (0.05 s to drain) hands it back."""
+    """SIGTERM two workers mid-load and restart them: one drains its work, one (1 ms to drain) hands it back."""
     rng = random.Random(seed)
     fleet = Fleet(site, site.topics("sigterm", partitions=6))
     done: list[dict] = []
     try:
         # The last worker barely waits before aborting, so its in-flight requests must be redelivered.
         hasty = f"w{workers}"
-        _start_group(fleet, workers, **{hasty: {"worker": {"shutdown_timeout_s": 0.05}}})
+        # 1 ms: with 50 ms the tiny model sometimes finished the request in flight, and nothing was handed back.
+        _start_group(fleet, workers, **{hasty: {"worker": {"shutdown_timeout_s": HASTY_DRAIN_S}}})
         load = chat_requests("term", requests, seed, max_tokens=max_tokens)
         duration = requests / rate
         moments = sorted(rng.uniform(0.2, 0.7) * duration for _ in range(2))
@@ -339,18 +343,19 @@ def sigterm_under_load(site: Site, *, requests: int = 400, workers: int = 3, see
                 victim = await _victim(fleet, rng, exclude=(hasty,)) if i == 0 else hasty
                 if victim == hasty:
                     # Its SIGTERM must find work in flight, or the abort-and-redeliver path goes untested.
-                    await _until_in_flight(fleet.current(hasty), limit_s=duration)
+                    # Two or more, so one finishing in the moment the signal takes to act still leaves work.
+                    await _until_in_flight(fleet.current(hasty), limit_s=duration, at_least=2)
                 fleet.signal(victim, signal.SIGTERM)
                 done.append({"at_s": round(time.monotonic() - t0, 1), "worker": victim, "answered": ledger.answered})
                 # The replacement joins while the old process drains: the handover under test.
-                overrides = {"worker": {"shutdown_timeout_s": 0.05}} if victim == hasty else {}
+                overrides = {"worker": {"shutdown_timeout_s": HASTY_DRAIN_S}} if victim == hasty else {}
                 fleet.start(victim, **overrides)
 
         ledger, wall = asyncio.run(_drive(site, fleet, load, rate, inject, timeout_s))
         failures = [] if len(done) == 2 else [f"only {len(done)} of 2 SIGTERMs happened"]
         aborted = fleet.log_events("aborting unfinished requests")
         return _finish("SIGTERM under load + restart", f"{requests} chat, {workers} workers",
-                       "2 × SIGTERM (drain 20 s / 0.05 s)", fleet, ledger, wall, failures,
+                       f"2 × SIGTERM (drain 20 s / {HASTY_DRAIN_S * 1000:.0f} ms)", fleet, ledger, wall, failures,
                        {"terms": done, "shutdowns_that_aborted_work": aborted, "seed": seed})
     finally:
         fleet.stop()

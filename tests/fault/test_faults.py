@@ -47,7 +47,7 @@ def test_concurrent_generations_longer_than_max_poll_interval_cause_no_rebalance
 
 
 def test_sigterm_under_load_drains_or_hands_back_without_loss_or_duplicates(site):
-    outcome = scenarios.sigterm_under_load(site, requests=300, workers=3, seed=3, rate=20.0, max_tokens=(16, 64))
+    outcome = scenarios.sigterm_under_load(site, requests=300, workers=3, seed=3, rate=20.0, max_tokens=(96, 192))
     check(outcome)
     # Both shutdown paths ran: one worker drained, the hasty one aborted work that was then redelivered.
     assert outcome.detail["shutdowns_that_aborted_work"] >= 1, outcome.detail

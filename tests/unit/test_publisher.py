@@ -1,0 +1,126 @@
+"""TransactionalPublisher's transaction bookkeeping, against a producer fake that enforces aiokafka's states.
+
+The real thing runs in tests/integration and tests/fault; these cover the paths a broker rarely takes:
+two flushes of one partition at once, a publish cancelled mid-transaction, a fenced producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import ProducerFenced
+
+from worker.offsets import Release
+from worker.publisher import PartitionLost, TransactionalPublisher
+
+TP = TopicPartition("requests", 0)
+
+
+class FakeProducer:
+    """Raises as aiokafka does when a transaction is begun inside another one."""
+
+    def __init__(self, send_delay: float = 0.0, fenced: bool = False) -> None:
+        self.in_txn = False
+        self.committed: list[int] = []
+        self.aborted = 0
+        self.send_delay = send_delay
+        self.fenced = fenced
+        self.stopped = False
+
+    async def begin_transaction(self) -> None:
+        if self.fenced:
+            raise ProducerFenced()
+        assert not self.in_txn, "Invalid state transition IN_TRANSACTION -> IN_TRANSACTION"
+        self.in_txn = True
+
+    async def send(self, topic, value, key=None, headers=None) -> None:
+        await asyncio.sleep(self.send_delay)
+
+    async def send_offsets_to_transaction(self, offsets, group_id) -> None:
+        self.pending = offsets[TP]
+
+    async def commit_transaction(self) -> None:
+        self.in_txn = False
+        self.committed.append(self.pending)
+
+    async def abort_transaction(self) -> None:
+        self.in_txn = False
+        self.aborted += 1
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+def publisher(producer: FakeProducer) -> tuple[TransactionalPublisher, list[str]]:
+    outcomes: list[str] = []
+    pub = TransactionalPublisher({}, "group", "txn", 60_000, outcomes.append)
+    pub._producers[TP] = producer
+    return pub, outcomes
+
+
+def release(offset: int) -> Release:
+    return Release(TP.topic, TP.partition, records=[], commit_offset=offset)
+
+
+async def _concurrent_flushes_of_one_partition_take_turns():
+    producer = FakeProducer(send_delay=0.01)
+    pub, outcomes = publisher(producer)
+    rel = [Release(TP.topic, TP.partition, records=[_Rec()], commit_offset=n) for n in (5, 9)]
+    assert await asyncio.gather(*(pub.publish(r) for r in rel)) == [True, True]
+    assert producer.committed == [5, 9] and outcomes == ["committed", "committed"]
+
+
+async def _a_publish_cancelled_mid_transaction_is_aborted_before_the_next():
+    producer = FakeProducer(send_delay=10)
+    pub, _ = publisher(producer)
+    task = asyncio.create_task(pub.publish(Release(TP.topic, TP.partition, records=[_Rec()], commit_offset=3)))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert producer.in_txn  # left open, as a rebalance or shutdown can leave it
+    producer.send_delay = 0
+    assert await pub.publish(release(3)) is True
+    assert producer.aborted == 1 and producer.committed == [3] and not producer.in_txn
+
+
+async def _any_failure_rolls_the_transaction_back_and_asks_for_a_retry():
+    producer = FakeProducer()
+    pub, outcomes = publisher(producer)
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("not a KafkaError")
+
+    producer.send_offsets_to_transaction = broken
+    assert await pub.publish(release(4)) is False
+    assert outcomes == ["aborted"] and producer.aborted == 1 and not producer.in_txn
+
+
+async def _fenced_producer_gives_the_partition_up():
+    producer = FakeProducer(fenced=True)
+    pub, outcomes = publisher(producer)
+    with pytest.raises(PartitionLost):
+        await pub.publish(release(1))
+    assert outcomes == ["fenced"] and producer.stopped and TP not in pub._producers
+
+
+class _Rec:
+    topic, value, key, headers = "results", b"v", b"k", ()
+
+
+def test_concurrent_flushes_of_one_partition_take_turns():
+    asyncio.run(_concurrent_flushes_of_one_partition_take_turns())
+
+
+def test_a_publish_cancelled_mid_transaction_is_aborted_before_the_next():
+    asyncio.run(_a_publish_cancelled_mid_transaction_is_aborted_before_the_next())
+
+
+def test_any_failure_rolls_the_transaction_back_and_asks_for_a_retry():
+    asyncio.run(_any_failure_rolls_the_transaction_back_and_asks_for_a_retry())
+
+
+def test_fenced_producer_gives_the_partition_up():
+    asyncio.run(_fenced_producer_gives_the_partition_up())
