@@ -44,10 +44,12 @@ def median_seconds(reps: int, fn: Callable[..., object], *args: object) -> float
 def measure(rows: int, reps: int) -> dict[str, float]:
     """Summed over the five shapes, GFLOP/s of each path for `rows` rows."""
     from engine.models import linear as lin
+    from engine.models.cpu_kernels import cpu_kernels
 
     flops = sum(2 * rows * n * k for n, k in SHAPES.values())
     seconds: dict[str, float] = {"mkl": 0.0, "onednn": 0.0, "onednn_packed": 0.0, "skinny": 0.0}
-    skinny = lin._skinny_kernel() if rows <= lin.SKINNY_MAX_ROWS else None
+    ops = cpu_kernels()
+    skinny = ops.skinny_linear if ops is not None and rows <= lin.SKINNY_MAX_ROWS else None
     for n, k in SHAPES.values():
         g = torch.Generator().manual_seed(n * k + rows)
         w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)

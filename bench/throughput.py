@@ -313,7 +313,6 @@ def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
     """Wrap the engine's step phases so the profile says where wall time goes, Python included."""
     import engine.model_runner as model_runner
     from engine.attention.cpu_paged import kernels_available, load_kernels
-    from engine.models.linear import _skinny_kernel
 
     engine = llm.engine
     totals: dict[str, float] = defaultdict(float)
@@ -344,19 +343,18 @@ def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
     kernels = {}
     if kernels_available():
         ops = load_kernels()
-        kernels = {f"ext::{n}": (ops, n) for n in ("paged_decode_attention", "skinny_linear")}
+        kernels = {f"ext::{n}": (ops, n) for n in ("paged_decode_attention", "skinny_linear", "rms_norm_rows",
+                                                   "add_rms_norm_rows", "rope_rows_")}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in {**targets, **kernels}.items()}
     for name, (obj, attr) in targets.items():
         setattr(obj, attr, timed(name, originals[name]))
     for name, (obj, attr) in kernels.items():
         setattr(obj, attr, labelled(name, originals[name]))
-    _skinny_kernel.cache_clear()  # it holds the unlabelled function
     try:
         yield totals
     finally:
         for name, (obj, attr) in {**targets, **kernels}.items():
             setattr(obj, attr, originals[name])
-        _skinny_kernel.cache_clear()
 
 
 def profile_engine(llm: LLM, w: Workload, out_path: Path) -> None:

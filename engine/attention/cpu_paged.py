@@ -29,9 +29,10 @@ _SOURCES = (
     _ENGINE / "attention" / "csrc" / "paged_attention_cpu.cpp",
     _ENGINE / "attention" / "csrc" / "paged_attention_int8_cpu.cpp",
     _ENGINE / "quant" / "csrc" / "quant_linear_cpu.cpp",
+    _ENGINE / "models" / "csrc" / "fused_cpu.cpp",
 )
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
-              "int8_linear", "int4_linear"]
+              "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_"]
 
 
 def _cpu_flags() -> str:

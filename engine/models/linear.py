@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.cpu_kernels import cpu_kernels
+
 log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8
 ONEDNN_MAX_ROWS = 256
@@ -58,20 +60,6 @@ def batch_invariant(enabled: bool = True):
 
 def invariant_enabled() -> bool:
     return getattr(_mode, "invariant", False)
-
-
-@cache
-def _invariant_kernel():
-    from engine.attention.cpu_paged import kernels_available, load_kernels
-
-    return load_kernels().invariant_linear if kernels_available() else None
-
-
-@cache
-def _skinny_kernel():
-    from engine.attention.cpu_paged import kernels_available, load_kernels
-
-    return load_kernels().skinny_linear if kernels_available() else None
 
 
 @cache
@@ -111,14 +99,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and not torch.is_grad_enabled()):
         result = None
         if invariant_enabled():
-            kernel = _invariant_kernel()
-            if kernel is None:
+            ops = cpu_kernels()
+            if ops is None:
                 raise RuntimeError("deterministic mode needs the CPU kernels, which could not be built")
-            result = kernel(x, weight, bias)
+            result = ops.invariant_linear(x, weight, bias)
         elif rows <= SKINNY_MAX_ROWS:
-            kernel = _skinny_kernel()
-            if kernel is not None:
-                result = kernel(x, weight, bias)
+            if (ops := cpu_kernels()) is not None:
+                result = ops.skinny_linear(x, weight, bias)
         elif rows <= ONEDNN_MAX_ROWS and _onednn_available():
             padded = onednn_bucket(rows)
             if padded != rows:

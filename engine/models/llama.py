@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
+from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
 from engine.models.linear import Linear, linear, prepack, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
@@ -27,11 +28,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if x.dim() == 2 and x.stride(-1) == 1 and fused_cpu_ok(x):
+                return cpu_kernels().rms_norm_rows(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Half precision: normalise in fp32, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual += delta in place, then this norm of the sum (one pass on the fp32 CPU path)."""
+        if residual.dim() == 2 and residual.stride(-1) == 1 and delta.stride(-1) == 1 and fused_cpu_ok(residual):
+            return cpu_kernels().add_rms_norm_rows(residual, delta, self.weight, self.eps)
+        return self(residual.add_(delta))
 
 
 class Embedding(nn.Embedding):
@@ -139,8 +148,8 @@ class DecoderLayer(nn.Module):
             h, x = add_rms_norm(attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, x)
             return self.mlp.add_to(h, x)
         # The residual stream is this forward pass's own tensor (the embedding output): added to in place.
-        x.add_(self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta))
-        return self.mlp.add_to(self.post_attention_layernorm(x), x)
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return self.mlp.add_to(self.post_attention_layernorm.add_and_norm(x, attn), x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -51,7 +53,19 @@ class RotaryEmbedding(torch.nn.Module):
 
 
     def apply_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """forward() in place (q and k may be views of the fused qkv output), with half-width temporaries.
+        """forward() in place (q and k may be views of the fused qkv output).
+
+        fp32 on the CPU runs one fused kernel (engine/models/csrc/fused_cpu.cpp), which may round
+        differently from forward() where the compiler fuses a multiply and an add; elsewhere
+        apply_torch_().
+        """
+        if fused_cpu_ok(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64:
+            cpu_kernels().rope_rows_(q, k, self.cos, self.sin, positions.contiguous())
+            return
+        self.apply_torch_(positions, q, k)
+
+    def apply_torch_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """forward() in place with torch ops and half-width temporaries.
 
         Each element gets the same arithmetic as forward() (x1*cos - x2*sin, x2*cos + x1*sin), so the
         results are bitwise equal; cos and sin repeat across the two halves of the table.

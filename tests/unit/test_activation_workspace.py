@@ -1,7 +1,7 @@
 """The activation workspace: chunked in-place MLP for long prefills, and in-place RoPE.
 
 The workspace only changes where activations live, never what is computed: the
-chunked model must give the one-pass model's logits, RoPE in place must be
+chunked model must give the one-pass model's logits, the torch RoPE in place must be
 bitwise equal to RoPE out of place, and the workspace must really be the
 memory the MLP writes to.
 """
@@ -31,7 +31,7 @@ def engine(path, chunk_rows: int, **options) -> LLM:
     return llm
 
 
-def test_rope_in_place_is_bitwise_equal_to_out_of_place():
+def test_torch_rope_in_place_is_bitwise_equal_to_out_of_place():
     rope = RotaryEmbedding(32, 256, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                            torch.float32, torch.device("cpu"))
@@ -41,7 +41,7 @@ def test_rope_in_place_is_bitwise_equal_to_out_of_place():
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
     q, k = q.reshape(37, 4, 32), k.reshape(37, 2, 32)
     want_q, want_k = rope(positions, q.clone(), k.clone())
-    rope.apply_(positions, q, k)  # views of qkv, rotated where they lie
+    rope.apply_torch_(positions, q, k)  # views of qkv, rotated where they lie
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, :128].reshape(37, 4, 32), want_q)
 

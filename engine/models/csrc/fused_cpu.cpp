@@ -1,0 +1,133 @@
+// Fused elementwise kernels for the fp32 decoder on the CPU: RMSNorm (alone, or after adding a
+// layer's output into the residual stream) and rotary embeddings applied in place.
+//
+// At decode batch sizes each of these is a few hundred floats per row, and the ATen versions
+// run as chains of small ops (pow, mean, add, rsqrt, mul, mul for one norm; index, mul, sub,
+// mul, add per tensor for RoPE), so their cost is mostly per-op dispatch: over 30 layers, several
+// milliseconds of a single-stream step (docs/BENCHMARKS.md). Each row is computed on its own by
+// one fixed sequence of operations, whatever the number of rows: results are batch-invariant.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <cmath>
+
+namespace {
+
+using FVec = at::vec::Vectorized<float>;
+constexpr int64_t kFV = FVec::size();
+
+// out = x / sqrt(mean(x^2) + eps) * w for one row of D floats.
+inline void rms_row(const float* x, const float* w, float* out, int64_t D, float eps) {
+  FVec acc(0.f);
+  int64_t d = 0;
+  for (; d + kFV <= D; d += kFV) {
+    const FVec v = FVec::loadu(x + d);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float ss = at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, acc);
+  for (; d < D; ++d) ss += x[d] * x[d];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  const FVec rv(r);
+  for (d = 0; d + kFV <= D; d += kFV) (FVec::loadu(x + d) * rv * FVec::loadu(w + d)).store(out + d);
+  for (; d < D; ++d) out[d] = x[d] * r * w[d];
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.device().is_cpu(), name, " must be an fp32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// Rows per task: enough that a task is worth a thread's wake-up.
+constexpr int64_t kRowGrain = 32;
+
+}  // namespace
+
+// rms_norm(x) * w for x [rows, D] (rows may be strided); a new contiguous tensor.
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == torch::kFloat,
+              "weight must be contiguous fp32 of the row width");
+  const int64_t rows = x.size(0), D = x.size(1), xs = x.stride(0);
+  auto out = torch::empty({rows, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * xs, wp, op + r * D, D, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += delta (in place), then rms_norm(residual) * w as a new tensor: the residual add of
+// one sub-block and the norm in front of the next, in one pass over the rows.
+torch::Tensor add_rms_norm_rows(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "residual and delta must have the same shape");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == residual.size(1) && w.scalar_type() == torch::kFloat,
+              "weight must be contiguous fp32 of the row width");
+  const int64_t rows = residual.size(0), D = residual.size(1), rs = residual.stride(0), ds = delta.stride(0);
+  auto out = torch::empty({rows, D}, residual.options());
+  float* rp = residual.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = rp + r * rs;
+      at::vec::map2([](FVec a, FVec b) { return a + b; }, x, x, dp + r * ds, D);
+      rms_row(x, wp, op + r * D, D, static_cast<float>(eps));
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place on q [T, H, D] and k [T, KH, D] (views: each head's D floats
+// contiguous), rotate-half layout: with c, s the first half of row positions[t] of the cos and
+// sin tables [P, D], x1' = x1 c - x2 s and x2' = x2 c + x1 s.
+void rope_rows_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  for (const auto* t : {&q, &k}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->dim() == 3 && t->stride(2) == 1,
+                "q and k must be fp32 [tokens, heads, head_dim] with contiguous heads");
+  }
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat,
+              "cos and sin must be contiguous fp32 tables of one shape");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.dim() == 1 && positions.is_contiguous(),
+              "positions must be a contiguous int64 vector");
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2, P = cos.size(0);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.size(0) == T && cos.size(1) == D && D % 2 == 0,
+              "q, k, positions and the tables disagree in shape");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table");
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  struct View { float* p; int64_t heads, s0, s1; };
+  const View views[2] = {{q.data_ptr<float>(), q.size(1), q.stride(0), q.stride(1)},
+                         {k.data_ptr<float>(), k.size(1), k.stride(0), k.stride(1)}};
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      for (const View& v : views) {
+        for (int64_t h = 0; h < v.heads; ++h) {
+          float* x1 = v.p + t * v.s0 + h * v.s1;
+          float* x2 = x1 + half;
+          int64_t d = 0;
+          for (; d + kFV <= half; d += kFV) {
+            const FVec a = FVec::loadu(x1 + d), b = FVec::loadu(x2 + d);
+            const FVec cv = FVec::loadu(c + d), sv = FVec::loadu(s + d);
+            (a * cv - b * sv).store(x1 + d);
+            (b * cv + a * sv).store(x2 + d);
+          }
+          for (; d < half; ++d) {
+            const float a = x1[d], b = x2[d];
+            x1[d] = a * c[d] - b * s[d];
+            x2[d] = b * c[d] + a * s[d];
+          }
+        }
+      }
+    }
+  });
+}
