@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from bench.report import invocation, markdown_table, print_table, update_docs_section, write_json
+from bench.report import invocation, publish_table, write_json
 from bench.throughput import progress_bar
 from engine import LLM, SamplingParams
 
@@ -85,16 +85,11 @@ def main() -> None:
     rows = [(c, f"{m['torch ops']:.1f}", f"{m['fused kernels']:.1f}", f"{m['fused kernels'] / m['torch ops']:.2f}×")
             for c, m in medians.items()]
     title = "Decode with the fused fp32 CPU kernels and with torch ops (medians of alternating rounds)"
-    print_table(title, headers, rows)
-    update_docs_section("fused_kernels", "\n\n".join([
-        "### Fused CPU kernels: RMSNorm, residual add + RMSNorm, RoPE",
-        f"Measured {data['date']} (load average {data['load']:.1f}, {args.threads} threads) with "
-        f"`{data['command']}`: SmolLM2-135M fp32 on the engine's defaults, {args.prompt}-token prompts, "
-        f"{args.tokens} greedy tokens each, decode steps only; the two arms alternate {args.rounds} times in one "
-        "process and the medians are compared.",
-        markdown_table(title, headers, rows),
-    ]))
-
+    publish_table(
+        "fused_kernels", "Fused CPU kernels: RMSNorm, residual add + RMSNorm, RoPE", data,
+        f"SmolLM2-135M fp32 on the engine's defaults, {args.prompt}-token prompts, {args.tokens} greedy tokens "
+        f"each, decode steps only; the two arms alternate {args.rounds} times in one process and the medians are "
+        "compared.", title, headers, rows)
 
 if __name__ == "__main__":
     main()

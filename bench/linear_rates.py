@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from bench import roofline
-from bench.report import invocation, markdown_table, print_table, update_docs_section, write_json
+from bench.report import invocation, publish_table, write_json
 from bench.throughput import progress_bar
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -88,15 +88,10 @@ def main() -> None:
     rows = [(r, cell(v, "skinny"), cell(v, "mkl"), cell(v, "onednn"), cell(v, "onednn_packed"),
              f"{max(v.values()) / peak:.0%}") for r, v in data["rows"].items()]
     title = f"GFLOP/s over SmolLM2-135M's five weight shapes (roof: {peak:.0f} GFLOP/s, a 2048-row product)"
-    print_table(title, headers, rows)
-    update_docs_section("linear_rates", "\n\n".join([
-        "### Decode-shaped products against the roof",
-        f"Measured {data['date']} (load average {data['load']:.1f}, {args.threads} threads) with "
-        f"`{data['command']}`: the median of {args.reps} calls per path and weight shape, summed over SmolLM2-135M's "
-        "qkv, o_proj, gate_up, down and LM-head weights.",
-        markdown_table(title, headers, rows),
-    ]))
-
+    publish_table(
+        "linear_rates", "Decode-shaped products against the roof", data,
+        f"the median of {args.reps} calls per path and weight shape, summed over SmolLM2-135M's qkv, o_proj, "
+        "gate_up, down and LM-head weights.", title, headers, rows)
 
 if __name__ == "__main__":
     main()

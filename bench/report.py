@@ -60,3 +60,18 @@ def update_docs_section(key: str, body: str, docs: Path = DOCS) -> None:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)
+
+
+def publish_table(key: str, heading: str, data: dict, how: str, title: str, headers: list[str],
+                  rows: list[tuple]) -> None:
+    """Print a one-table result and write it as the `key` section of docs/BENCHMARKS.md.
+
+    `data` holds the run's "date", "load", "threads" and "command"; `how` says what was measured.
+    """
+    print_table(title, headers, rows)
+    update_docs_section(key, "\n\n".join([
+        f"### {heading}",
+        f"Measured {data['date']} (load average {data['load']:.1f}, {data['threads']} threads) with "
+        f"`{data['command']}`: {how}",
+        markdown_table(title, headers, rows),
+    ]))
