@@ -30,9 +30,11 @@ _SOURCES = (
     _ENGINE / "attention" / "csrc" / "paged_attention_int8_cpu.cpp",
     _ENGINE / "quant" / "csrc" / "quant_linear_cpu.cpp",
     _ENGINE / "models" / "csrc" / "fused_cpu.cpp",
+    _ENGINE / "models" / "csrc" / "panel_gemm.cpp",
 )
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
-              "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_"]
+              "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_",
+              "panel_gemm_available", "pack_panels", "panel_linear"]
 
 
 def _cpu_flags() -> str:

@@ -16,10 +16,14 @@ streamed from memory (bench numbers in docs/BENCHMARKS.md):
 Only fp32 on the CPU takes the special paths; everything else is F.linear.
 
 With `prepack` (engine option `cpu_prepack_weights`), each weight also gets a
-copy in oneDNN's blocked layout, which the 9-256-row path then reads instead
-of the plain one: oneDNN no longer re-lays the weight out on every call. It
-costs a second copy of the linear weights in memory; `bench.throughput
---prepack` measures what it buys.
+packed copy, which batches of 1-256 rows then read instead of the plain one.
+On AVX-512 CPUs that copy is in panels of 32 output columns for the panel
+kernel of the CPU extension (engine/models/csrc/panel_gemm.cpp), which runs
+those row counts 1.2-1.6x as fast as the paths above (bench/panel_gemm.py),
+needs no padding and keeps no per-shape state; elsewhere it is oneDNN's
+blocked layout, so that oneDNN no longer re-lays the weight out on every call.
+It costs a second copy of the linear weights in memory; `bench.throughput`
+measures what it buys (its table has the engine with and without it).
 
 Batch-invariant mode (deterministic requests) routes every linear to a kernel
 whose per-row arithmetic does not depend on the number of rows, at a
@@ -42,6 +46,8 @@ from engine.models.cpu_kernels import cpu_kernels
 log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8
 ONEDNN_MAX_ROWS = 256
+# Up to this many rows a panel-packed weight runs the panel kernel; above it MKL is as fast or faster.
+PANEL_MAX_ROWS = 256
 # The row count oneDNN chooses the packed layout for (any row count can use it).
 PACK_HINT_ROWS = 64
 _mode = threading.local()
@@ -81,9 +87,25 @@ def onednn_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+@cache
+def _panel_kernel() -> bool:
+    ops = cpu_kernels()
+    return ops is not None and ops.panel_gemm_available()
+
+
+def is_panel_packed(packed: torch.Tensor | None) -> bool:
+    """Whether `packed` (from `prepack`) is in the panel kernel's layout, [panels, in_features, 32]."""
+    return packed is not None and packed.dim() == 3
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` in oneDNN's blocked layout for `linear(..., packed=)`, or None where that path does not run."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_available():
+    """`weight` packed for `linear(..., packed=)`: in panels for the panel kernel on AVX-512 CPUs,
+    else in oneDNN's blocked layout; None where neither path runs."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if _panel_kernel():
+        return cpu_kernels().pack_panels(weight.detach())
+    if not _onednn_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
 
@@ -103,6 +125,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if ops is None:
                 raise RuntimeError("deterministic mode needs the CPU kernels, which could not be built")
             result = ops.invariant_linear(x, weight, bias)
+        elif rows <= PANEL_MAX_ROWS and is_panel_packed(packed):
+            result = cpu_kernels().panel_linear(x, packed, weight.shape[0], bias)
         elif rows <= SKINNY_MAX_ROWS:
             if (ops := cpu_kernels()) is not None:
                 result = ops.skinny_linear(x, weight, bias)
@@ -112,7 +136,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 xp = x.new_zeros(padded, x.shape[1])
                 xp[:rows] = x
                 x = xp
-            w = weight if packed is None else packed
+            w = weight if packed is None or is_panel_packed(packed) else packed
             result = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")[:rows]
         if result is not None:
             return result if out is None else out.copy_(result)
@@ -139,5 +163,12 @@ def prepack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and (packed := prepack(module.weight)) is not None:
             module.packed = packed
-            added += module.weight.numel() * module.weight.element_size()
+            added += packed_bytes(packed, module.weight)
     return added
+
+
+def packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
+    """Memory a packed copy takes: panels are padded to 32 output columns; oneDNN's copy is the weight's size."""
+    if is_panel_packed(packed):
+        return packed.numel() * packed.element_size()
+    return weight.numel() * weight.element_size()

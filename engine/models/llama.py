@@ -16,7 +16,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
-from engine.models.linear import Linear, linear, prepack, prepack_linears
+from engine.models.linear import Linear, linear, packed_bytes, prepack, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
 
@@ -180,11 +180,11 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.workspace = workspace
 
     def prepack_weights(self) -> int:
-        """oneDNN-layout copies of the fp32 CPU linear weights, the tied LM head included; bytes added."""
+        """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added."""
         added = prepack_linears(self)
         if self.lm_head is None and (packed := prepack(self.embed_tokens.weight)) is not None:
             self.embed_tokens.packed_head = packed
-            added += self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+            added += packed_bytes(packed, self.embed_tokens.weight)
         return added
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

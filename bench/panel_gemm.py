@@ -1,0 +1,107 @@
+"""The panel GEMM kernel against the other fp32 CPU linear paths, on a whole model's weights.
+
+    .venv/bin/python -m bench.panel_gemm
+    .venv/bin/python -m bench.panel_gemm --rows 1 32 64 --rounds 5
+
+One pass = every linear of SmolLM2-135M for one step of `rows` tokens: 30 layers' qkv, o_proj,
+gate_up and down weights (random, distinct per layer, so that as in the model they stream from
+memory rather than sit in cache) and the 49152-wide LM head. Three arms, each through
+`engine.models.linear.linear`, alternating round after round in one process: the engine's
+defaults (plain weights: the skinny kernel up to 8 rows, oneDNN at padded row buckets above),
+oneDNN on its packed copy (what `cpu_prepack_weights` kept before the panel kernel), and the
+panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPUs). Medians
+over the rounds are compared. Writes bench/results/panel_gemm.json and its section of
+docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.report import invocation, publish_table, write_json
+from bench.throughput import progress_bar
+
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o_proj, gate_up, down: (out, in)
+HEAD_SHAPE = (49152, 576)
+NUM_LAYERS = 30
+DEFAULT_ROWS = (1, 8, 16, 32, 48, 64, 128, 256)
+
+
+def build_weights(seed: int) -> list[dict[str, torch.Tensor | None]]:
+    from engine.models import linear as lin
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [s for _ in range(NUM_LAYERS) for s in LAYER_SHAPES] + [HEAD_SHAPE]
+    weights = []
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g) / k ** 0.5
+        weights.append({"plain": w, "onednn": torch.ops.mkldnn._reorder_linear_weight(w, lin.PACK_HINT_ROWS),
+                        "panel": lin.prepack(w)})
+    return weights
+
+
+def one_pass(weights, xs: dict[int, torch.Tensor], arm: str) -> float:
+    from engine.models.linear import linear
+
+    t0 = time.perf_counter()
+    for w in weights:
+        linear(xs[w["plain"].shape[1]], w["plain"], packed=None if arm == "plain" else w[arm])
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="rows per pass (tokens in a step)")
+    ap.add_argument("--rounds", type=int, default=7, help="alternations of the three arms (medians are compared)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    if bad := [r for r in args.rows if not 1 <= r <= 256]:
+        sys.exit(f"--rows must be between 1 and 256 (the packed copies' range), got {bad}")
+    torch.set_num_threads(args.threads)
+    from engine.models import linear as lin
+
+    if not lin._panel_kernel():
+        sys.exit("the panel kernel is not available here (it needs AVX-512 and the CPU extension); nothing to compare")
+    arms = {"plain": "defaults (plain weights)", "onednn": "oneDNN, packed", "panel": "panel kernel, packed"}
+    flops_per_row = 2 * (NUM_LAYERS * sum(n * k for n, k in LAYER_SHAPES) + HEAD_SHAPE[0] * HEAD_SHAPE[1])
+    seconds: dict[int, dict[str, list[float]]] = {r: {a: [] for a in arms} for r in args.rows}
+    with torch.inference_mode():
+        weights = build_weights(0)
+        with progress_bar("panel kernel A/B/C", len(args.rows) * args.rounds) as advance:
+            for rows in args.rows:
+                g = torch.Generator().manual_seed(rows)
+                xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
+                for arm in arms:  # warm-up: oneDNN builds its primitives, pages are touched
+                    one_pass(weights, xs, arm)
+                for _ in range(args.rounds):
+                    for arm in arms:
+                        seconds[rows][arm].append(one_pass(weights, xs, arm))
+                    advance()
+    medians = {r: {a: statistics.median(v) for a, v in by_arm.items()} for r, by_arm in seconds.items()}
+    data = {"command": invocation("bench.panel_gemm"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load": os.getloadavg()[0], "threads": args.threads, "settings": vars(args), "seconds": seconds,
+            "medians": medians, "flops_per_row": flops_per_row}
+    write_json("panel_gemm.json", data)
+
+    headers = ["rows", *(f"{name} ms" for name in arms.values()), "panel GFLOP/s", "panel ÷ defaults",
+               "panel ÷ oneDNN packed"]
+    table = []
+    for rows, m in medians.items():
+        table.append((rows, *(f"{m[a] * 1e3:.1f}" for a in arms), f"{flops_per_row * rows / m['panel'] / 1e9:.0f}",
+                      f"{m['plain'] / m['panel']:.2f}×", f"{m['onednn'] / m['panel']:.2f}×"))
+    title = "All linears of one SmolLM2-135M step (30 layers + LM head), medians of alternating rounds"
+    publish_table(
+        "panel_gemm", "Panel GEMM kernel: the linears of a decode step", data,
+        f"fp32, weights distinct per layer so that they stream from memory as in the model; the three arms "
+        f"alternate {args.rounds} times per row count in one process and the medians are compared. Lower ms is "
+        "faster; the ratios are speed-ups of the panel kernel.", title, headers, table)
+
+
+if __name__ == "__main__":
+    main()
