@@ -167,10 +167,154 @@ void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torc
   });
 }
 
+#if defined(__AVX512F__)
+#define HAVE_AVX512_DECODE 1
+// Sixteen vectors -> one vector of their sixteen lane sums (lane j = sum of v[j]), by a transpose-add tree.
+static inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d, e, 0x88), _mm512_shuffle_f32x4(d, e, 0xDD));
+}
+
+static inline void prefetch_span(const float* p, int64_t floats, int hint_l2) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < floats * 4; off += 64) {
+    if (hint_l2) _mm_prefetch(c + off, _MM_HINT_T1); else _mm_prefetch(c + off, _MM_HINT_T0);
+  }
+}
+
+alignas(64) static const float kZeroRow[256] = {};
+
+// One sequence, all heads (fp32 cache, D = 16 * NV, each block's rows contiguous). Pass 1 reads K
+// block by block, contiguously, with the next block prefetched into L1 and this block's V into L2,
+// and writes every head's scores, sixteen tokens per reduction; exact softmax per head; pass 2
+// reads V the same way. Measured against the per-(sequence, KV head) kernel above, with the KV
+// cache streamed from memory: about 10% faster on SmolLM2's shapes (48 sequences of 420 tokens).
+template <int NV>
+static void decode_seq_512(const float* q, float* out, const float* kbase, const float* vbase, const int64_t* table,
+                           int64_t L, int64_t BS, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
+                           int64_t H, int64_t KVH, float scale, float* scores, int64_t Ls) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / KVH, nblk = (L + BS - 1) / BS, span = BS * tok_stride;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < nblk; ++i) {
+    const float* kb = kbase + table[i] * blk_stride;
+    if (i + 1 < nblk) prefetch_span(kbase + table[i + 1] * blk_stride, span, 0);
+    prefetch_span(vbase + table[i] * blk_stride, span, 1);
+    const int64_t n = std::min(BS, L - i * BS);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        const float* rows[16];
+        for (int jj = 0; jj < 16; ++jj) rows[jj] = jj < m ? kb + (j0 + jj) * tok_stride + kh * head_stride : kZeroRow;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kh * G + g;
+          __m512 qv[NV];
+          for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + h * D + 16 * c);
+          __m512 a[16];
+          for (int jj = 0; jj < 16; ++jj) {
+            __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[jj]));
+            for (int c = 1; c < NV; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[jj] + 16 * c), s);
+            a[jj] = s;
+          }
+          _mm512_storeu_ps(scores + h * Ls + i * BS + j0, _mm512_mul_ps(reduce16(a), sc));
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* sg = scores + h * Ls;
+    float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
+    at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sg, sg, L);
+    float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
+    const float inv = 1.f / sum;
+    at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
+  }
+  for (int64_t h = 0; h < H; ++h)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_setzero_ps());
+  for (int64_t i = 0; i < nblk; ++i) {
+    const float* vb = vbase + table[i] * blk_stride;
+    const int64_t n = std::min(BS, L - i * BS);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* p = scores + h * Ls + i * BS;
+        __m512 acc[NV], acc2[NV];
+        for (int c = 0; c < NV; ++c) { acc[c] = _mm512_loadu_ps(out + h * D + 16 * c); acc2[c] = _mm512_setzero_ps(); }
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2) {
+          const float* r0 = vb + j * tok_stride + kh * head_stride;
+          const float* r1 = r0 + tok_stride;
+          const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+          for (int c = 0; c < NV; ++c) {
+            acc[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * c), acc[c]);
+            acc2[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(r1 + 16 * c), acc2[c]);
+          }
+        }
+        if (j < n) {
+          const float* r0 = vb + j * tok_stride + kh * head_stride;
+          const __m512 p0 = _mm512_set1_ps(p[j]);
+          for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * c), acc[c]);
+        }
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_add_ps(acc[c], acc2[c]));
+      }
+    }
+  }
+}
+
+// Every sequence of the batch by decode_seq_512, one task per sequence.
+static void decode_attn_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = kv.size(2), KVH = kv.size(3), MB = block_tables.size(1);
+  const float* kbase = kv.data_ptr<float>();
+  const float* vbase = kbase + kv.stride(0);
+  const int64_t blk_stride = kv.stride(1), tok_stride = kv.stride(2), head_stride = kv.stride(3);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = sl[b];
+      if (L <= 0) {
+        std::fill(op + b * H * D, op + (b + 1) * H * D, 0.f);
+        continue;
+      }
+      const int64_t Ls = ((L + BS - 1) / BS) * BS + 16;
+      scores.resize(H * Ls);
+      if (D == 64)
+        decode_seq_512<4>(qp + b * H * D, op + b * H * D, kbase, vbase, bt + b * MB, L, BS, blk_stride, tok_stride,
+                          head_stride, H, KVH, sc, scores.data(), Ls);
+      else
+        decode_seq_512<8>(qp + b * H * D, op + b * H * D, kbase, vbase, bt + b * MB, L, BS, blk_stride, tok_stride,
+                          head_stride, H, KVH, sc, scores.data(), Ls);
+    }
+  });
+}
+#endif
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   auto qf = q.to(torch::kFloat).contiguous();
   auto out = torch::empty_like(qf);
+#ifdef HAVE_AVX512_DECODE
+  const int64_t D = qf.size(2), KVH = kv.size(3);
+  if (kv.scalar_type() == torch::kFloat && (D == 64 || D == 128) && kv.stride(3) == D && kv.stride(2) == KVH * D &&
+      kv.stride(1) == kv.size(2) * KVH * D && qf.size(1) % KVH == 0) {
+    decode_attn_avx512(out, qf, kv, block_tables.contiguous(), seq_lens.contiguous(), scale);
+    return out.to(q.scalar_type());
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "paged_decode_attention", [&] {
     decode_attn_impl<scalar_t>(out, qf, kv, block_tables.contiguous(), seq_lens.contiguous(), scale);
   });
