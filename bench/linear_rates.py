@@ -5,8 +5,11 @@
 
 For each row count and weight shape (random weights: only the shapes matter), the
 median time of: the engine's skinny kernel (1-8 rows), MKL (`torch.mm`), oneDNN on
-the plain weight, and oneDNN on the packed copy that `cpu_prepack_weights` keeps
-(engine/models/linear.py). The last column is the roofline's own reference, a
+the plain weight, oneDNN on its packed copy (what `cpu_prepack_weights` keeps on CPUs
+without AVX-512), and the panel kernel on its packed copy (what it keeps on AVX-512
+CPUs, up to 256 rows; engine/models/linear.py). Each weight is called repeatedly, so
+it sits in cache: bench.panel_gemm measures the paths with a whole model's weights
+streamed from memory, as in a decode step. The last column is the roofline's own reference, a
 2048-row product, so the table shows how far decode-shaped products fall short of
 the roof that bench.throughput divides by. Writes bench/results/linear_rates.json
 and its section of docs/BENCHMARKS.md.
@@ -47,19 +50,22 @@ def measure(rows: int, reps: int) -> dict[str, float]:
     from engine.models.cpu_kernels import cpu_kernels
 
     flops = sum(2 * rows * n * k for n, k in SHAPES.values())
-    seconds: dict[str, float] = {"mkl": 0.0, "onednn": 0.0, "onednn_packed": 0.0, "skinny": 0.0}
+    seconds: dict[str, float] = {"mkl": 0.0, "onednn": 0.0, "onednn_packed": 0.0, "skinny": 0.0, "panel": 0.0}
     ops = cpu_kernels()
     skinny = ops.skinny_linear if ops is not None and rows <= lin.SKINNY_MAX_ROWS else None
+    panel = ops.panel_linear if lin._panel_kernel() and rows <= lin.PANEL_MAX_ROWS else None
     for n, k in SHAPES.values():
         g = torch.Generator().manual_seed(n * k + rows)
         w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
-        packed = lin.prepack(w)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, lin.PACK_HINT_ROWS)
         onednn = torch.ops.mkldnn._linear_pointwise
         seconds["mkl"] += median_seconds(reps, torch.mm, x, w.t())
         seconds["onednn"] += median_seconds(reps, onednn, x, w, None, "none", [], "")
         seconds["onednn_packed"] += median_seconds(reps, onednn, x, packed, None, "none", [], "")
         if skinny is not None:
             seconds["skinny"] += median_seconds(reps, skinny, x, w, None)
+        if panel is not None:
+            seconds["panel"] += median_seconds(reps, panel, x, lin.prepack(w), n, None)
     return {path: flops / s / 1e9 for path, s in seconds.items() if s > 0}
 
 
@@ -84,8 +90,8 @@ def main() -> None:
     def cell(rates: dict, path: str) -> str:
         return f"{rates[path]:.0f}" if path in rates else "—"
 
-    headers = ["rows", "skinny kernel", "MKL", "oneDNN", "oneDNN, packed", "best ÷ roof"]
-    rows = [(r, cell(v, "skinny"), cell(v, "mkl"), cell(v, "onednn"), cell(v, "onednn_packed"),
+    headers = ["rows", "skinny kernel", "MKL", "oneDNN", "oneDNN, packed", "panel kernel, packed", "best ÷ roof"]
+    rows = [(r, cell(v, "skinny"), cell(v, "mkl"), cell(v, "onednn"), cell(v, "onednn_packed"), cell(v, "panel"),
              f"{max(v.values()) / peak:.0%}") for r, v in data["rows"].items()]
     title = f"GFLOP/s over SmolLM2-135M's five weight shapes (roof: {peak:.0f} GFLOP/s, a 2048-row product)"
     publish_table(

@@ -52,8 +52,9 @@ class EngineConfig:
     # Keep the embedding table in host memory and gather rows there (saves device memory on CUDA
     # for untied embeddings; on the CPU the bytes are the same).
     embedding_offload: bool = False
-    # fp32 on the CPU: keep a oneDNN-layout copy of each linear weight for decode-sized batches
-    # (engine/models/linear.py); faster decode for a second copy of those weights in memory.
+    # fp32 on the CPU: keep a packed copy of each linear weight for batches of up to 256 rows (the
+    # panel kernel's layout on AVX-512 CPUs, else oneDNN's; engine/models/linear.py): faster decode
+    # for a second copy of those weights in memory.
     cpu_prepack_weights: bool = False
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
