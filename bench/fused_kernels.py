@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from bench.report import invocation, publish_table, write_json
+from bench.report import publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM, SamplingParams
 
@@ -77,8 +77,7 @@ def main() -> None:
                         rates[case][arm].append(decode_tok_s(llm, batch, args.prompt, args.tokens, f"{r}-{arm}-{case}"))
             advance()
     medians = {c: {arm: statistics.median(v) for arm, v in arms.items()} for c, arms in rates.items()}
-    data = {"command": invocation("bench.fused_kernels"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load": os.getloadavg()[0], "threads": args.threads, "settings": vars(args), "rates": rates,
+    data = {**run_info("bench.fused_kernels", args.threads), "settings": vars(args), "rates": rates,
             "medians": medians}
     write_json("fused_kernels.json", data)
     headers = ["decode", "torch ops tok/s", "fused kernels tok/s", "fused ÷ torch"]

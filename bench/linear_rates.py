@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from bench import roofline
-from bench.report import invocation, publish_table, write_json
+from bench.report import publish_table, run_info, write_json
 from bench.throughput import progress_bar
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -76,8 +76,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    data = {"command": invocation("bench.linear_rates"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load": os.getloadavg()[0], "threads": args.threads, "shapes": SHAPES, "rows": {}}
+    data = {**run_info("bench.linear_rates", args.threads), "shapes": SHAPES, "rows": {}}
     with progress_bar("linear rates", len(args.rows) + 1) as advance, torch.inference_mode():
         data["roof"] = roofline.measure_machine(5).to_dict()
         advance()

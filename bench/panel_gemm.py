@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.report import invocation, publish_table, write_json
+from bench.report import publish_table, run_info, write_json
 from bench.throughput import progress_bar
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o_proj, gate_up, down: (out, in)
@@ -84,8 +84,7 @@ def main() -> None:
                         seconds[rows][arm].append(one_pass(weights, xs, arm))
                     advance()
     medians = {r: {a: statistics.median(v) for a, v in by_arm.items()} for r, by_arm in seconds.items()}
-    data = {"command": invocation("bench.panel_gemm"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load": os.getloadavg()[0], "threads": args.threads, "settings": vars(args), "seconds": seconds,
+    data = {**run_info("bench.panel_gemm", args.threads), "settings": vars(args), "seconds": seconds,
             "medians": medians, "flops_per_row": flops_per_row}
     write_json("panel_gemm.json", data)
 

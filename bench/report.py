@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +25,12 @@ def invocation(module: str) -> str:
     """The command line that reproduces this run, relative to the repository root."""
     python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable
     return shlex.join([python, "-m", module, *sys.argv[1:]])
+
+
+def run_info(module: str, threads: int) -> dict:
+    """What publish_table reports about a run: its command, date, load average and threads."""
+    return {"command": invocation(module), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load": os.getloadavg()[0], "threads": threads}
 
 
 def print_table(title: str, headers: list[str], rows: list[tuple]) -> None:
