@@ -19,8 +19,9 @@ With `prepack` (engine option `cpu_prepack_weights`), each weight also gets a
 packed copy, which batches of 1-256 rows then read instead of the plain one.
 On AVX-512 CPUs that copy is in panels of 32 output columns for the panel
 kernel of the CPU extension (engine/models/csrc/panel_gemm.cpp), which runs
-those row counts 1.2-1.6x as fast as the paths above (bench/panel_gemm.py),
-needs no padding and keeps no per-shape state; elsewhere it is oneDNN's
+a step's linears 1.2-2.0x as fast as the paths above at 1-64 rows and as fast
+at 128-256 (bench/panel_gemm.py), needs no padding and keeps no per-shape
+state; elsewhere it is oneDNN's
 blocked layout, so that oneDNN no longer re-lays the weight out on every call.
 It costs a second copy of the linear weights in memory; `bench.throughput`
 measures what it buys (its table has the engine with and without it).

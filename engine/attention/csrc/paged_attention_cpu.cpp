@@ -195,8 +195,7 @@ alignas(64) static const float kZeroRow[256] = {};
 // One sequence, all heads (fp32 cache, D = 16 * NV, each block's rows contiguous). Pass 1 reads K
 // block by block, contiguously, with the next block prefetched into L1 and this block's V into L2,
 // and writes every head's scores, sixteen tokens per reduction; exact softmax per head; pass 2
-// reads V the same way. Measured against the per-(sequence, KV head) kernel above, with the KV
-// cache streamed from memory: about 10% faster on SmolLM2's shapes (48 sequences of 420 tokens).
+// reads V the same way. Its effect, with the panel GEMM kernel's, is in bench.throughput's figures.
 template <int NV>
 static void decode_seq_512(const float* q, float* out, const float* kbase, const float* vbase, const int64_t* table,
                            int64_t L, int64_t BS, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
