@@ -3,6 +3,8 @@
     .venv/bin/python -m bench.chaos                    # every scenario, bigger loads (not yet timed)
     .venv/bin/python -m bench.chaos --quick            # the test suite's loads, to check the script
     .venv/bin/python -m bench.chaos --only kills,fuzz  # some scenarios
+    .venv/bin/python -m bench.chaos --quick --only kills,sigterm --repeat 10 --cpu-hogs 2
+                                                       # rebalance races on a starved host
 
 The scenarios are those of tests/fault (tests.fault.scenarios, tests.fault.fuzz_run),
 run against real `infinilm worker` processes on the shared local stack; the
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -83,7 +87,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the test suite's loads")
     ap.add_argument("--only", default=",".join(SCENARIOS), help=f"comma-separated, of: {', '.join(SCENARIOS)}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (seeds seed, seed+1, ...)")
+    ap.add_argument("--cpu-hogs", type=int, default=0,
+                    help="busy-loop processes running beside the workers, to starve them of CPU as a loaded host does")
     args = ap.parse_args()
+    if args.repeat < 1 or args.cpu_hogs < 0:
+        ap.error("--repeat must be at least 1 and --cpu-hogs at least 0")
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
@@ -97,12 +106,19 @@ def main() -> None:
     site = Site.on_local_stack("chaos-")
     load_at_start = os.getloadavg()
 
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hogs)]
     outcomes = []
-    for name in names:
-        console.print(f"[bold]{name}[/] ...")
-        outcome = run_one(name, site, args.seed, args.quick)
-        outcomes.append((name, outcome))
-        console.print(f"  {outcome.row()}" + (f"  [red]{outcome.problems()}[/]" if outcome.problems() else ""))
+    try:
+        for name in names:
+            for seed in range(args.seed, args.seed + args.repeat):
+                console.print(f"[bold]{name}[/] (seed {seed}) ...")
+                outcome = run_one(name, site, seed, args.quick)
+                outcomes.append((name, outcome))
+                console.print(f"  {outcome.row()}" + (f"  [red]{outcome.problems()}[/]" if outcome.problems() else ""))
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
     from tests.fault.scenarios import Outcome
 
@@ -113,7 +129,9 @@ def main() -> None:
         return "ok, but " + o.detail["rss_problem"] if o.detail.get("rss_problem") else "ok"
 
     rows = [(*o.row(), checks(o)) for _, o in outcomes]
-    title = f"Fault injection ({'quick' if args.quick else 'full'} loads, tiny random-weight Llama, seed {args.seed})"
+    seeds = f"seed {args.seed}" if args.repeat == 1 else f"seeds {args.seed}-{args.seed + args.repeat - 1}"
+    hogged = f", {args.cpu_hogs} CPU hogs" if args.cpu_hogs else ""
+    title = f"Fault injection ({'quick' if args.quick else 'full'} loads, tiny random-weight Llama, {seeds}{hogged})"
     print_table(title, headers, rows)
     fuzz = next((o for n, o in outcomes if n == "fuzz"), None)
     code_rows = []
@@ -126,12 +144,15 @@ def main() -> None:
             console.print(f"[red]{name}: {problem}[/]")
 
     data = {"command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": args.seed, "quick": args.quick,
-            "load_average_at_start": load_at_start,
-            "scenarios": {name: {**dict(zip(o.HEADERS, o.row(), strict=True)), "errors": o.errors,
-                                 "problems": o.problems(), "detail": o.detail} for name, o in outcomes}}
-    path = write_json("chaos-quick.json" if args.quick else "chaos.json", data)
+            "repeat": args.repeat, "cpu_hogs": args.cpu_hogs, "load_average_at_start": load_at_start,
+            "runs": [{"scenario": name, **dict(zip(o.HEADERS, o.row(), strict=True)), "errors": o.errors,
+                      "problems": o.problems(), "detail": o.detail} for name, o in outcomes]}
+    name = "chaos-quick" if args.quick else "chaos"
+    if args.repeat > 1 or args.cpu_hogs:
+        name += "-repeat"
+    path = write_json(f"{name}.json", data)
     console.print(f"wrote {path}")
-    if set(names) == set(SCENARIOS):
+    if set(names) == set(SCENARIOS) and args.repeat == 1 and not args.cpu_hogs:
         sections = ["## Fault injection (issue: reliability figures)",
                     f"Measured {data['date']} on this repository's 2-core dev machine. Reproduce with:",
                     f"    {command}", markdown_table(title, headers, rows)]

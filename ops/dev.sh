@@ -59,7 +59,7 @@ cmd_test() {
   "$VENV/bin/infinilm" stack up
   log "pytest"
   set +e
-  "$VENV/bin/pytest" "$@"
+  "$VENV/bin/pytest" --durations=15 "$@"
   local rc=$?
   set -e
   # Exit code 5 means no tests were collected (e.g. a -k filter matched nothing).

@@ -33,7 +33,7 @@ REQUEST_STATUSES: tuple[str, ...] = ("ok", *(code.value for code in ErrorCode))
 # A dead letter's reason is an ErrorInfo too, so its code labels the DLQ counter.
 DLQ_REASONS: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 
-KAFKA_TRANSACTION_OUTCOMES: tuple[str, ...] = ("committed", "aborted", "fenced")
+KAFKA_TRANSACTION_OUTCOMES: tuple[str, ...] = ("committed", "aborted", "fenced", "timed_out")
 
 # The Dynamic Bucket batcher has buckets max_seq_len / 2**i for i = 0..4, and a
 # plain FIFO path when bucketing is off.

@@ -38,9 +38,12 @@ class Release:
 class PartitionTracker:
     """Tracks one input partition. Offsets are registered in consumption order."""
 
-    def __init__(self, topic: str, partition: int) -> None:
+    def __init__(self, topic: str, partition: int, start_offset: int | None = None) -> None:
         self.topic = topic
         self.partition = partition
+        # The lowest offset not taken yet: the committed offset the partition was set up at, then
+        # one past the last registered. Records below it are re-fetches and are skipped.
+        self.next_offset = start_offset or 0
         self._pending: dict[int, list[OutRecord] | None] = {}  # offset -> outputs when done
         self._order: list[int] = []  # registered offsets, ascending
         self._head = 0  # index into _order of the first offset not yet released
@@ -51,6 +54,7 @@ class PartitionTracker:
             raise ValueError(f"{self.topic}[{self.partition}]: offset {offset} registered out of order")
         self._pending[offset] = None
         self._order.append(offset)
+        self.next_offset = offset + 1
 
     def complete(self, offset: int, records: Iterable[OutRecord]) -> None:
         if offset not in self._pending:

@@ -21,7 +21,9 @@ and only then is the offset committed through the consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
@@ -57,30 +59,56 @@ def fit_dead_letter(payload: bytes, key: bytes | None, headers: list[tuple[str, 
     return payload[:room], key, headers, ErrorInfo(code=reason.code, message=reason.message + note)
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class PartitionLost(Exception):
     """The partition now belongs to another worker; drop its in-flight work."""
 
 
+class PartitionResync(Exception):
+    """Whether the partition's last transaction committed is not known here (it timed out, or
+    failed and could not be aborted). Drop its in-flight work and set it up again: a new producer
+    finishes that transaction, and the group's committed offset then says where to resume."""
+
+
 class TransactionalPublisher:
     def __init__(self, client_kwargs: dict, group_id: str, txn_prefix: str, transaction_timeout_ms: int,
-                 on_transaction: Callable[[str], None] | None = None) -> None:
+                 on_transaction: Callable[[str], None] | None = None, publish_timeout_s: float = 30.0) -> None:
         self._kwargs = client_kwargs
         self._group_id = group_id
         self._prefix = txn_prefix
         self._timeout_ms = transaction_timeout_ms
+        self._publish_timeout_s = publish_timeout_s
         self._on_txn = on_transaction or (lambda outcome: None)
         self._producers: dict[TopicPartition, AIOKafkaProducer] = {}
-        # One transaction at a time per partition: the flush loop and a rebalance may both flush it.
+        # One transaction at a time per partition: the flush loop and a rebalance may both flush it,
+        # and a producer is only stopped between transactions (see remove_partitions).
         self._locks: dict[TopicPartition, asyncio.Lock] = defaultdict(asyncio.Lock)
         # Begun and not yet committed or aborted: a publish cancelled part-way leaves its partition here.
         self._open: set[TopicPartition] = set()
+        # What each publish in progress is doing and since when, for the worker's stall watchdog;
+        # keyed by publish, as a second publish of a partition may wait behind the first.
+        self._stage: dict[int, tuple[TopicPartition, str, float]] = {}
+        self._starting: dict[TopicPartition, float] = {}  # producers in start() (InitProducerId), since when
 
     def transactional_id(self, tp: TopicPartition) -> str:
         return f"{self._prefix}.{self._group_id}.{tp.topic}.{tp.partition}"
 
-    async def add_partitions(self, tps: list[TopicPartition]) -> None:
-        new = [tp for tp in tps if tp not in self._producers]
-        await asyncio.gather(*(self._start(tp) for tp in new))
+    async def add_partitions(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        """Start the producers `tps` lack; returns those that could not be started (logged)."""
+        new = [tp for tp in tps if tp not in self._producers and tp not in self._starting]
+        outcomes = await asyncio.gather(*(self._start(tp) for tp in new), return_exceptions=True)
+        failed = [tp for tp in tps if tp in self._starting]  # another caller's start still running
+        for tp, outcome in zip(new, outcomes, strict=True):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                log.warning("could not start the producer for %s yet: %r", tp, outcome)
+                failed.append(tp)
+        return failed
 
     async def _start(self, tp: TopicPartition) -> None:
         producer = AIOKafkaProducer(
@@ -93,72 +121,131 @@ class TransactionalPublisher:
         )
         # start() runs InitProducerId: this fences the previous owner and waits
         # for any transaction it left in flight to finish.
-        await producer.start()
+        self._starting[tp] = time.monotonic()
+        try:
+            async with asyncio.timeout(self._publish_timeout_s):
+                await producer.start()
+        except BaseException:
+            await self._stop(producer)  # its connections would leak
+            raise
+        finally:
+            self._starting.pop(tp, None)
         self._producers[tp] = producer
 
+    async def _stop(self, producer: AIOKafkaProducer) -> None:
+        # Bounded: stop() flushes what the producer holds, which can wait on an absent broker.
+        # A producer left behind is harmless, as the partition's next producer fences it.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._publish_timeout_s):
+                await producer.stop()
+
     async def remove_partitions(self, tps: list[TopicPartition]) -> None:
-        producers = [self._producers.pop(tp) for tp in tps if tp in self._producers]
-        self._open.difference_update(tps)
-        await asyncio.gather(*(p.stop() for p in producers), return_exceptions=True)
+        await asyncio.gather(*(self._remove(tp) for tp in tps))
+
+    async def _remove(self, tp: TopicPartition) -> None:
+        # NOTE: never stop a producer under a transaction in progress. aiokafka resolves
+        # commit_transaction() and send_offsets_to_transaction() from the sender task that
+        # stop() cancels, so the publish awaiting them would wait for ever, holding the
+        # partition's lock and the worker's flush loop with it (seen as workers that stopped
+        # committing after a rebalance, until shutdown). The lock waits for at most one
+        # publish, which is itself bounded.
+        async with self._locks[tp]:
+            producer = self._producers.pop(tp, None)
+            self._open.discard(tp)
+            if producer is not None:
+                await self._stop(producer)
 
     async def publish(self, release: Release) -> bool:
-        """Commit one release; False means retry later. Raises PartitionLost if fenced."""
-        tp = TopicPartition(release.topic, release.partition)
-        async with self._locks[tp]:
-            return await self._publish(tp, release)
+        """Commit one release; False means retry later (nothing of it was committed).
 
-    async def _publish(self, tp: TopicPartition, release: Release) -> bool:
+        Raises PartitionLost if fenced, PartitionResync if the outcome is not known.
+        """
+        tp = TopicPartition(release.topic, release.partition)
+        key = id(release)
+
+        def stage(name: str) -> None:
+            self._stage[key] = (tp, name, time.monotonic())
+
+        stage("waiting for the partition's previous transaction")
+        try:
+            async with self._locks[tp]:
+                try:
+                    async with asyncio.timeout(self._publish_timeout_s):
+                        return await self._publish(tp, release, stage)
+                except TimeoutError:
+                    at = self._stage[key][1]
+                    log.warning("transaction for %s did not finish in %.0f s (at: %s); resyncing the partition",
+                                tp, self._publish_timeout_s, at)
+                    self._on_txn("timed_out")
+                    await self._drop_producer(tp)
+                    raise PartitionResync(f"{tp}: transaction timed out at {at}") from None
+        finally:
+            self._stage.pop(key, None)
+
+    def busy(self, now: float | None = None) -> list[tuple[TopicPartition, str, float]]:
+        """Publishes in progress: (partition, stage, seconds in that stage)."""
+        now = time.monotonic() if now is None else now
+        starting = [(tp, "start producer (InitProducerId)", now - since) for tp, since in self._starting.items()]
+        return starting + [(tp, stage, now - since) for tp, stage, since in self._stage.values()]
+
+    def has_producer(self, tp: TopicPartition) -> bool:
+        return tp in self._producers
+
+    async def _drop_producer(self, tp: TopicPartition) -> None:
+        """Forget and stop the producer (lock held by the caller); the next set-up fences it."""
+        producer = self._producers.pop(tp, None)
+        self._open.discard(tp)
+        if producer is not None:
+            await self._stop(producer)
+
+    async def _publish(self, tp: TopicPartition, release: Release, stage: Callable[[str], None]) -> bool:
         producer = self._producers.get(tp)
         if producer is not None and tp in self._open:
-            # An earlier publish was cancelled mid-transaction (a rebalance or shutdown): its
-            # transaction is still open, holding back read_committed readers. End it first.
-            await self._recover(tp, producer)
-            producer = self._producers.get(tp)
+            # An earlier publish was cancelled mid-transaction (shutdown): its transaction is
+            # still open, holding back read_committed readers. End it first.
+            stage("aborting an interrupted transaction")
+            await self._abort_or_resync(tp, producer)
         if producer is None:
-            return False  # not started yet, or being restarted after an error: `ensure` retries it
+            return False  # not set up (yet): the worker sets it up before it takes records
         try:
+            stage("begin")
             await producer.begin_transaction()
             self._open.add(tp)
+            stage(f"send {len(release.records)} records")
             for rec in release.records:
-                await producer.send(rec.topic, rec.value, key=rec.key, headers=list(rec.headers))
+                sent = await producer.send(rec.topic, rec.value, key=rec.key, headers=list(rec.headers))
+                # commit_transaction reports a failed send; without this, asyncio would also log
+                # each failed record's future ("exception was never retrieved") when it is collected.
+                sent.add_done_callback(_retrieve)
+            stage(f"add offset {release.commit_offset}")
             await producer.send_offsets_to_transaction({tp: release.commit_offset}, self._group_id)
+            stage("commit")
             await producer.commit_transaction()
             self._open.discard(tp)
             self._on_txn("committed")
             return True
         except ProducerFenced as exc:
             self._on_txn("fenced")
-            await self.remove_partitions([tp])
+            await self._drop_producer(tp)
             raise PartitionLost(f"{tp}: fenced by a newer owner") from exc
         except Exception as exc:
             # A Kafka error, or aiokafka refusing a state change: either way the transaction
             # must not stay open (an open one stalls every read_committed reader of the topic).
             log.warning("transaction for %s failed, will retry: %r", tp, exc)
             self._on_txn("aborted")
-            await self._recover(tp, producer)
+            stage("aborting a failed transaction")
+            await self._abort_or_resync(tp, producer)
             return False
 
-    async def _recover(self, tp: TopicPartition, producer: AIOKafkaProducer) -> None:
+    async def _abort_or_resync(self, tp: TopicPartition, producer: AIOKafkaProducer) -> None:
         try:
             await producer.abort_transaction()
             self._open.discard(tp)
-        except Exception:
-            # The producer is in an unknown state: replace it; InitProducerId aborts
-            # whatever it left open.
-            await self.remove_partitions([tp])
-            try:
-                await self._start(tp)
-            except Exception as exc:
-                log.warning("could not restart the producer for %s yet: %r", tp, exc)
-
-    async def ensure(self, tps: list[TopicPartition]) -> None:
-        """Start producers that a failed recovery left missing."""
-        missing = [tp for tp in tps if tp not in self._producers]
-        if missing:
-            try:
-                await self.add_partitions(missing)
-            except Exception as exc:
-                log.warning("producers for %s not ready: %r", missing, exc)
+        except Exception as exc:
+            # Not aborted, so perhaps committed: only the partition's next producer (whose
+            # InitProducerId finishes the transaction either way) and the group's offset can tell.
+            await self._drop_producer(tp)
+            raise PartitionResync(f"{tp}: transaction could not be aborted ({exc!r})") from exc
 
     async def close(self) -> None:
         await self.remove_partitions(list(self._producers))
@@ -174,14 +261,17 @@ class AtLeastOncePublisher:
     async def start(self) -> None:
         await self._producer.start()
 
-    async def add_partitions(self, tps: list[TopicPartition]) -> None:
-        return None
+    async def add_partitions(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        return []
 
     async def remove_partitions(self, tps: list[TopicPartition]) -> None:
         return None
 
-    async def ensure(self, tps: list[TopicPartition]) -> None:
-        return None
+    def busy(self, now: float | None = None) -> list[tuple[TopicPartition, str, float]]:
+        return []
+
+    def has_producer(self, tp: TopicPartition) -> bool:
+        return True
 
     async def publish(self, release: Release) -> bool:
         tp = TopicPartition(release.topic, release.partition)

@@ -56,6 +56,7 @@ from worker.publisher import (
     AtLeastOncePublisher,
     DeltaPublisher,
     PartitionLost,
+    PartitionResync,
     TransactionalPublisher,
     fit_dead_letter,
 )
@@ -150,7 +151,12 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self.stuck_tasks: list[str] = []  # set by shutdown(): tasks that would not stop
         self._prepare_tasks: dict[asyncio.Task, TopicPartition] = {}
-        self._awaiting_setup: set[TopicPartition] = set()  # paused by _intake until on_assigned is done
+        # Assigned partitions not set up yet (no producer, no tracker), kept paused: their set-up
+        # is in progress, failed, or waits after a fence or an unknown transaction outcome.
+        self._awaiting_setup: dict[TopicPartition, _SetUpWait] = {}
+        self._setup_lock = asyncio.Lock()  # set-ups and revocations one at a time
+        self._setup_retry: asyncio.Task | None = None
+        self._watchdog_logged: dict[tuple, float] = {}
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
@@ -194,7 +200,8 @@ class Worker:
         )
         if cfg.kafka.delivery == "exactly_once":
             self.publisher = TransactionalPublisher(kwargs, cfg.kafka.group_id, cfg.kafka.transactional_id_prefix,
-                                                    cfg.kafka.transaction_timeout_ms, self.metrics.inc_kafka_transaction)
+                                                    cfg.kafka.transaction_timeout_ms, self.metrics.inc_kafka_transaction,
+                                                    publish_timeout_s=cfg.kafka.transaction_timeout_ms / 1000)
         else:
             self.publisher = AtLeastOncePublisher(kwargs, self._commit_offsets, self.metrics.inc_kafka_transaction)
             await self.publisher.start()
@@ -271,7 +278,7 @@ class Worker:
         # task ignored its cancellation and the shutdown never got this far).
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.consumer.stop(), timeout=max(10.0, timeout))
-        self.stuck_tasks = await stop_tasks(self._tasks, timeout_s=5.0)
+        self.stuck_tasks = await stop_tasks(self._tasks + [t for t in [self._setup_retry] if t], timeout_s=5.0)
         if self.stuck_tasks:
             log.error("tasks did not stop after repeated cancellation; the process will exit without them",
                       tasks=self.stuck_tasks)
@@ -315,10 +322,15 @@ class Worker:
                 self.consumer.seek(tp, record.offset)
                 self.consumer.pause(tp)
                 if tp not in self._awaiting_setup:
-                    self._awaiting_setup.add(tp)
+                    # on_assigned is on its way; the flush loop steps in only if it never comes.
+                    self._await_setup(tp, "assignment in progress", retry_in_s=5.0)
                     log.info("partition not set up yet; will fetch again", partition=str(tp), offset=record.offset)
             # Otherwise it was revoked while the fetch was in flight; the new owner will see it.
             return False
+        if record.offset < tracker.next_offset:
+            # Fetched before the set-up moved the position to the group's committed offset
+            # (or fetched twice): taken already, or committed by the partition's previous owner.
+            return True
         tracker.register(record.offset)
         consumed_at = time.monotonic()
         payload = record.value or b""
@@ -567,22 +579,33 @@ class Worker:
             release = tracker.release()
             if release is not None:
                 releases.append((tp, tracker, release))
-        if not releases:
-            return
+        if releases:
+            await self._publish_releases(releases)
+        if only is None and not self._stopping.is_set():  # a stopping worker starts no producers
+            self._retry_setups()
+        self._update_pause()
+
+    async def _publish_releases(self, releases: list) -> None:
         outcomes = await asyncio.gather(*(self.publisher.publish(r) for _, _, r in releases), return_exceptions=True)
         for (tp, tracker, release), outcome in zip(releases, outcomes, strict=True):
             if outcome is True:
                 tracker.mark_committed(release)
             elif isinstance(outcome, PartitionLost):
+                # Fenced: another worker has set the partition up, so this one is a zombie that
+                # will be told by the next rebalance; in case the fencer was the zombie, this
+                # worker sets the partition up again if no rebalance comes first.
                 log.warning("partition lost to another worker", partition=str(tp))
                 self._drop_partition(tp)
+                self._await_setup(tp, "fenced by another producer", retry_in_s=self._fenced_retry_s())
+            elif isinstance(outcome, PartitionResync):
+                log.warning("resyncing partition: its in-flight work is dropped and redone from the committed offset",
+                            partition=str(tp), reason=str(outcome))
+                self._drop_partition(tp)
+                self._await_setup(tp, "resync after an unknown transaction outcome", retry_in_s=0.0)
             else:
                 if isinstance(outcome, BaseException):
                     log.warning("publish failed", partition=str(tp), error=repr(outcome))
                 tracker.restore(release)
-        if not self._stopping.is_set():  # a stopping worker starts no producers
-            await self.publisher.ensure(list(self.trackers))
-        self._update_pause()
 
     async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:
         await self.consumer.commit(offsets)
@@ -611,37 +634,142 @@ class Worker:
             log.info("engine full: pausing partitions", in_flight=in_flight)
         elif self._paused and in_flight < limit * 0.75 and not self._stopping.is_set():
             self._paused = False
-            self.consumer.resume(*assigned)
+            self.consumer.resume(*(tp for tp in assigned if tp in self.trackers))
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        # Producers first: their InitProducerId fences the previous owner and completes its
-        # open transaction before this worker takes on the partition's records.
-        await self.publisher.add_partitions(sorted(assigned))
-        for tp in assigned:
-            self.trackers.setdefault(tp, PartitionTracker(tp.topic, tp.partition))
-        waiting = self._awaiting_setup & assigned
-        self._awaiting_setup -= assigned
+        t0 = time.monotonic()
+        await self._set_up(assigned, "assigned")
         if self._paused or self._stopping.is_set():
             # Pausing is lost on reassignment; keep not fetching while full.
             self.consumer.pause(*assigned)
-        elif waiting:
-            self.consumer.resume(*waiting)
-        log.info("partitions assigned", partitions=sorted(str(tp) for tp in assigned))
+        log.info("partitions assigned", partitions=sorted(str(tp) for tp in assigned),
+                 not_set_up=sorted(str(tp) for tp in assigned if tp not in self.trackers),
+                 setup_s=round(time.monotonic() - t0, 3))
+
+    async def _set_up(self, tps, reason: str) -> None:
+        """Take partitions on: start their producers, then seek to the group's committed offsets.
+
+        NOTE: the order is what makes the offsets right. A producer's InitProducerId fences the
+        partition's previous owner and finishes whatever transaction it left (committing a
+        prepared one), so only after it does the committed offset cover every result already
+        published. aiokafka reads committed offsets on assignment, concurrently with this, so
+        the position is read again here. A partition that fails to set up stays paused in
+        `_awaiting_setup`, and the flush loop tries again.
+        """
+        async with self._setup_lock:
+            tps = [tp for tp in sorted(tps) if tp in self.consumer.assignment() and tp not in self.trackers]
+            if not tps:
+                return
+            failed = set(await self.publisher.add_partitions(tps))
+            offsets = await self._committed_offsets([tp for tp in tps if tp not in failed])
+            now = time.monotonic()
+            for tp in tps:
+                if tp not in self.consumer.assignment():
+                    await self.publisher.remove_partitions([tp])  # revoked meanwhile
+                elif tp in offsets and self._seek(tp, offsets[tp]):
+                    self.trackers[tp] = PartitionTracker(tp.topic, tp.partition, start_offset=offsets[tp])
+                    waited = self._awaiting_setup.pop(tp, None)
+                    if waited is not None and now - waited.since > 1.0:
+                        log.info("partition set up", partition=str(tp), after=waited.reason,
+                                 waited_s=round(now - waited.since, 1))
+                    if not (self._paused or self._stopping.is_set()):
+                        self.consumer.resume(tp)
+                else:
+                    self._await_setup(tp, f"{reason}: set-up failed", retry_in_s=1.0)
+
+    def _seek(self, tp: TopicPartition, committed: int | None) -> bool:
+        """Move the position to `committed`; with nothing committed, to offset 0 (a resynced
+        partition may have been read further). Below the log's start, 0 is out of range and the
+        consumer's auto_offset_reset ("earliest") applies. No round trip: set-up must stay quick,
+        as the group waits for it."""
+        try:
+            self.consumer.seek(tp, 0 if committed is None else committed)
+            return True
+        except KafkaError as exc:  # IllegalStateError: revoked meanwhile
+            log.warning("could not set the position; will retry", partition=str(tp), error=repr(exc))
+            return False
+
+    async def _committed_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """The group's committed offset of each partition (None: nothing committed yet); a
+        partition whose offset could not be read is left out."""
+        async def one(tp):
+            async with asyncio.timeout(self.config.kafka.request_timeout_ms / 1000):
+                return await self.consumer.committed(tp)
+
+        outcomes = await asyncio.gather(*(one(tp) for tp in tps), return_exceptions=True)
+        offsets = {}
+        for tp, outcome in zip(tps, outcomes, strict=True):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                log.warning("could not read the committed offset; will retry", partition=str(tp), error=repr(outcome))
+            else:
+                offsets[tp] = outcome
+        return offsets
+
+    def _await_setup(self, tp: TopicPartition, reason: str, retry_in_s: float) -> None:
+        if self.consumer is None or tp not in self.consumer.assignment():
+            return  # revoked: the next owner sets it up
+        now = time.monotonic()
+        wait = self._awaiting_setup.get(tp)
+        if wait is None:
+            self._awaiting_setup[tp] = _SetUpWait(reason, now, now + retry_in_s)
+        else:
+            wait.reason, wait.retry_at = reason, now + retry_in_s
+        self.consumer.pause(tp)
+
+    def _fenced_retry_s(self) -> float:
+        # Long enough for a rebalance to reach a zombie (session timeout), so the two do not fence in turn.
+        return max(10.0, 2 * self.config.kafka.session_timeout_ms / 1000)
+
+    def _retry_setups(self) -> None:
+        """Set up again, beside the flush loop, the partitions whose wait is over."""
+        if self._setup_retry is not None and not self._setup_retry.done():
+            return
+        now = time.monotonic()
+        due = [tp for tp, wait in self._awaiting_setup.items() if wait.retry_at <= now]
+        if due:
+            self._setup_retry = asyncio.create_task(self._set_up(due, "retry"), name="partition-setup")
+            self._setup_retry.add_done_callback(_log_failure)
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         revoked = set(revoked)
         if not revoked:
             return
         await self._flush_all(only=list(revoked))
-        self._awaiting_setup -= revoked
-        for tp in revoked:
-            self._drop_partition(tp)
-        await self.publisher.remove_partitions(list(revoked))
+        async with self._setup_lock:  # a set-up in progress must not start a producer after this
+            for tp in revoked:
+                self._awaiting_setup.pop(tp, None)
+                self._drop_partition(tp)
+            await self.publisher.remove_partitions(list(revoked))
         log.info("partitions revoked", partitions=sorted(str(tp) for tp in revoked))
+
+    def _watchdog(self, now: float) -> None:
+        """Log what keeps a partition from progressing: a slow transaction or a set-up that waits."""
+        slow_s = 10.0
+        seen = set()
+        for tp, stage, age in self.publisher.busy(now):
+            if age >= slow_s:
+                seen.add(("txn", tp))
+                self._log_stall(("txn", tp), now, "Kafka transaction is slow", partition=str(tp), stage=stage,
+                                seconds=round(age, 1))
+        for tp, wait in self._awaiting_setup.items():
+            if now - wait.since >= slow_s:
+                seen.add(("setup", tp))
+                self._log_stall(("setup", tp), now, "partition is waiting to be set up", partition=str(tp),
+                                reason=wait.reason, seconds=round(now - wait.since, 1))
+        for key in set(self._watchdog_logged) - seen:
+            del self._watchdog_logged[key]
+
+    def _log_stall(self, key: tuple, now: float, event: str, **fields) -> None:
+        if now - self._watchdog_logged.get(key, -1e9) >= 30.0:  # at most every 30 s per partition
+            self._watchdog_logged[key] = now
+            log.warning(event, **fields)
 
     async def _housekeeping_loop(self) -> None:
         while True:
             await asyncio.sleep(5)
+            self._watchdog(time.monotonic())
             # Dropped fetch buffers are reference cycles that pin whole fetch responses (worker/memory.py).
             self.metrics.observe_gc(*collect_cycles())
             lags: dict[str, int] = {}
@@ -689,9 +817,22 @@ class Worker:
             "redis": "ok" if redis_ok else "degraded",
             "in_flight": len(self.inflight),
             "paused": self._paused,
+            "partitions_awaiting_setup": len(self._awaiting_setup),
         }
         # Redis down degrades the service but does not make it unready.
         return alive and self._started, detail
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed", task=task.get_name(), error=repr(task.exception()))
+
+
+@dataclass
+class _SetUpWait:
+    reason: str
+    since: float
+    retry_at: float
 
 
 class _Rebalance(ConsumerRebalanceListener):

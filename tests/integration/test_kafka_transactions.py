@@ -3,7 +3,8 @@
 The worker's exactly-once delivery rests on two broker guarantees, checked here
 end to end: read_committed consumers see committed records and never aborted
 ones, and offsets sent with send_offsets_to_transaction become the group's
-committed offsets only when the transaction commits.
+committed offsets only when the transaction commits. The worker's
+TransactionalPublisher gets its rebalance race checked against the same broker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Callable
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+
+from worker.offsets import OutRecord, Release
+from worker.publisher import TransactionalPublisher
 
 # Generous because the first test of a fresh machine also pays for the Maven fetch and broker start.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -71,6 +75,24 @@ async def read_all(
         await consumer.stop()
 
 
+async def group_offset(admin: AIOKafkaAdminClient, group_id: str, tp: TopicPartition) -> int | None:
+    offsets = await admin.list_consumer_group_offsets(group_id, partitions=[tp])
+    meta = offsets.get(tp)
+    return None if meta is None or meta.offset < 0 else meta.offset
+
+
+async def wait_group_offset(admin: AIOKafkaAdminClient, group_id: str, tp: TopicPartition,
+                            expected: int) -> int | None:
+    # NOTE: commit_transaction returns once the coordinator has logged the commit; the
+    # markers that make the offsets visible to OffsetFetch land a moment later, and
+    # aiokafka's OffsetFetch (< v7) cannot ask the broker to wait for them (require_stable).
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15.0
+    while (seen := await group_offset(admin, group_id, tp)) != expected and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    return seen
+
+
 def test_read_committed_sees_committed_and_not_aborted(
     kafka_bootstrap: str, make_topic: Callable[..., str], unique_name: Callable[[str], str]
 ) -> None:
@@ -111,19 +133,10 @@ def test_send_offsets_to_transaction_commits_group_offsets_only_on_commit(
     tp = TopicPartition(source, 0)
 
     async def committed_offset(admin: AIOKafkaAdminClient) -> int | None:
-        offsets = await admin.list_consumer_group_offsets(group_id, partitions=[tp])
-        meta = offsets.get(tp)
-        return None if meta is None or meta.offset < 0 else meta.offset
+        return await group_offset(admin, group_id, tp)
 
     async def wait_committed(admin: AIOKafkaAdminClient, expected: int) -> int | None:
-        # NOTE: commit_transaction returns once the coordinator has logged the commit; the
-        # markers that make the offsets visible to OffsetFetch land a moment later, and
-        # aiokafka's OffsetFetch (< v7) cannot ask the broker to wait for them (require_stable).
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 15.0
-        while (seen := await committed_offset(admin)) != expected and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        return seen
+        return await wait_group_offset(admin, group_id, tp, expected)
 
     async def scenario() -> None:
         plain = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
@@ -182,5 +195,41 @@ def test_send_offsets_to_transaction_commits_group_offsets_only_on_commit(
 
         results = await read_all(kafka_bootstrap, sink, "read_committed", expected=3)
         assert results == [b"done:request-0", b"done:request-1", b"done:request-2"]
+
+    run(scenario())
+
+
+def test_publisher_gives_a_partition_up_mid_publish_without_hanging_or_losing_the_release(
+    kafka_bootstrap: str, make_topic: Callable[..., str], unique_name: Callable[[str], str]
+) -> None:
+    """The race the fault suite found: a rebalance revokes a partition (remove_partitions) while the
+    flush loop's publish of it is between steps. aiokafka never answers a transaction call made
+    on a stopped producer, so that publish used to wait for ever, and the worker's flush loop
+    with it. Now the removal waits for the publish, which commits."""
+    source = make_topic("in", partitions=1)
+    sink = make_topic("out", partitions=1)
+    group_id = unique_name("group")
+    tp = TopicPartition(source, 0)
+    outcomes: list[str] = []
+    expected = [f"result-{i}".encode() for i in range(50)]
+
+    async def scenario() -> None:
+        pub = TransactionalPublisher({"bootstrap_servers": kafka_bootstrap, "request_timeout_ms": 20_000}, group_id,
+                                     unique_name("txn"), 60_000, outcomes.append, publish_timeout_s=20.0)
+        assert await pub.add_partitions([tp]) == []
+        records = [OutRecord(sink, b"k", value) for value in expected]
+        publishing = asyncio.create_task(pub.publish(Release(source, 0, records, commit_offset=50)))
+        while not any(stage.startswith(("send", "add offset")) for _, stage, _ in pub.busy()):
+            await asyncio.sleep(0)  # until the publish is inside its transaction
+        await pub.remove_partitions([tp])
+        assert publishing.done() and publishing.result() is True
+        assert not pub.has_producer(tp) and outcomes == ["committed"]
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            assert await wait_group_offset(admin, group_id, tp, 50) == 50
+        finally:
+            await admin.close()
+        assert await read_all(kafka_bootstrap, sink, "read_committed", expected=50) == expected
 
     run(scenario())

@@ -69,3 +69,12 @@ def test_many_releases_keep_order_compact():
         r = t.release()
         assert r.commit_offset == off + 1
     assert t.in_flight == 0
+
+
+def test_next_offset_starts_at_the_committed_offset_and_follows_registrations():
+    t = PartitionTracker("in", 0, start_offset=40)
+    assert t.next_offset == 40  # a record below it was committed by the previous owner: skipped
+    t.register(40)
+    t.register(43)  # a gap (a transaction marker, say) is allowed
+    assert t.next_offset == 44
+    assert PartitionTracker("in", 1).next_offset == 0  # nothing committed yet

@@ -1,7 +1,8 @@
 """TransactionalPublisher's transaction bookkeeping, against a producer fake that enforces aiokafka's states.
 
 The real thing runs in tests/integration and tests/fault; these cover the paths a broker rarely takes:
-two flushes of one partition at once, a publish cancelled mid-transaction, a fenced producer.
+two flushes of one partition at once, a publish cancelled mid-transaction, a fenced producer, a
+partition removed during a publish, a publish that never finishes, an abort that fails.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import ProducerFenced
 
 from worker.offsets import Release
-from worker.publisher import PartitionLost, TransactionalPublisher
+from worker.publisher import PartitionLost, PartitionResync, TransactionalPublisher
 
 TP = TopicPartition("requests", 0)
 
@@ -35,8 +36,11 @@ class FakeProducer:
         assert not self.in_txn, "Invalid state transition IN_TRANSACTION -> IN_TRANSACTION"
         self.in_txn = True
 
-    async def send(self, topic, value, key=None, headers=None) -> None:
+    async def send(self, topic, value, key=None, headers=None) -> asyncio.Future:
         await asyncio.sleep(self.send_delay)
+        delivered = asyncio.get_running_loop().create_future()  # aiokafka: resolved once the broker has it
+        delivered.set_result(None)
+        return delivered
 
     async def send_offsets_to_transaction(self, offsets, group_id) -> None:
         self.pending = offsets[TP]
@@ -53,9 +57,29 @@ class FakeProducer:
         self.stopped = True
 
 
-def publisher(producer: FakeProducer) -> tuple[TransactionalPublisher, list[str]]:
+class StoppableProducer(FakeProducer):
+    """Like aiokafka: once stopped, the transaction calls wait for a sender that is gone, for ever."""
+
+    async def _gone(self) -> None:
+        if self.stopped:
+            await asyncio.Event().wait()
+
+    async def send_offsets_to_transaction(self, offsets, group_id) -> None:
+        await self._gone()
+        await super().send_offsets_to_transaction(offsets, group_id)
+
+    async def commit_transaction(self) -> None:
+        await self._gone()
+        await super().commit_transaction()
+
+    async def abort_transaction(self) -> None:
+        await self._gone()
+        await super().abort_transaction()
+
+
+def publisher(producer: FakeProducer, timeout_s: float = 30.0) -> tuple[TransactionalPublisher, list[str]]:
     outcomes: list[str] = []
-    pub = TransactionalPublisher({}, "group", "txn", 60_000, outcomes.append)
+    pub = TransactionalPublisher({}, "group", "txn", 60_000, outcomes.append, publish_timeout_s=timeout_s)
     pub._producers[TP] = producer
     return pub, outcomes
 
@@ -106,6 +130,58 @@ async def _fenced_producer_gives_the_partition_up():
     assert outcomes == ["fenced"] and producer.stopped and TP not in pub._producers
 
 
+async def _removing_a_partition_waits_for_its_publish_instead_of_stranding_it():
+    producer = StoppableProducer(send_delay=0.05)
+    pub, outcomes = publisher(producer)
+    rel = Release(TP.topic, TP.partition, records=[_Rec(), _Rec()], commit_offset=7)
+    publishing = asyncio.create_task(pub.publish(rel))
+    await asyncio.sleep(0.01)  # the publish is between its sends, as a rebalance can find it
+    async with asyncio.timeout(5):  # before the fix the publish waited for ever on the stopped producer
+        await pub.remove_partitions([TP])
+        assert await publishing is True
+    assert producer.committed == [7] and outcomes == ["committed"]
+    assert producer.stopped and not pub.has_producer(TP)
+
+
+async def _a_publish_that_does_not_finish_times_out_and_asks_for_a_resync():
+    producer = FakeProducer(send_delay=10)
+    pub, outcomes = publisher(producer, timeout_s=0.05)
+    with pytest.raises(PartitionResync, match="timed out at send 1 records"):
+        await pub.publish(Release(TP.topic, TP.partition, records=[_Rec()], commit_offset=2))
+    assert outcomes == ["timed_out"] and producer.stopped and not pub.has_producer(TP)
+    assert pub.busy() == []  # nothing left in progress for the watchdog
+
+
+async def _a_failed_transaction_that_cannot_be_aborted_asks_for_a_resync():
+    producer = FakeProducer()
+    pub, outcomes = publisher(producer)
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("commit failed")
+
+    async def abort_refused():
+        raise RuntimeError("Invalid state transition")
+
+    producer.commit_transaction = broken
+    producer.abort_transaction = abort_refused
+    with pytest.raises(PartitionResync, match="could not be aborted"):
+        await pub.publish(release(4))
+    assert outcomes == ["aborted"] and producer.stopped and not pub.has_producer(TP)
+
+
+async def _busy_reports_the_stage_of_a_publish_in_progress():
+    producer = FakeProducer(send_delay=10)
+    pub, _ = publisher(producer)
+    task = asyncio.create_task(pub.publish(Release(TP.topic, TP.partition, records=[_Rec()], commit_offset=3)))
+    await asyncio.sleep(0.01)
+    [(tp, stage, seconds)] = pub.busy()
+    assert tp == TP and stage == "send 1 records" and 0 <= seconds < 5
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pub.busy() == []
+
+
 class _Rec:
     topic, value, key, headers = "results", b"v", b"k", ()
 
@@ -124,3 +200,19 @@ def test_any_failure_rolls_the_transaction_back_and_asks_for_a_retry():
 
 def test_fenced_producer_gives_the_partition_up():
     asyncio.run(_fenced_producer_gives_the_partition_up())
+
+
+def test_removing_a_partition_waits_for_its_publish_instead_of_stranding_it():
+    asyncio.run(_removing_a_partition_waits_for_its_publish_instead_of_stranding_it())
+
+
+def test_a_publish_that_does_not_finish_times_out_and_asks_for_a_resync():
+    asyncio.run(_a_publish_that_does_not_finish_times_out_and_asks_for_a_resync())
+
+
+def test_a_failed_transaction_that_cannot_be_aborted_asks_for_a_resync():
+    asyncio.run(_a_failed_transaction_that_cannot_be_aborted_asks_for_a_resync())
+
+
+def test_busy_reports_the_stage_of_a_publish_in_progress():
+    asyncio.run(_busy_reports_the_stage_of_a_publish_in_progress())
