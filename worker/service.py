@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, ProducerFenced
 
 from engine import EngineCore, RequestError, RequestOutput
 from schemas import (
@@ -176,6 +176,7 @@ class Worker:
         # cause, not leave aiokafka retrying it for ever.
         await check_kafka_access(cfg.kafka, client_id=self.worker_id)
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(quiet_fenced_futures)
         self._events = asyncio.Queue()
         self.engine_loop = EngineLoop(self.engine, lambda ev: self._loop.call_soon_threadsafe(self._events.put_nowait, ev))
         self.engine_loop.start()
@@ -821,6 +822,17 @@ class Worker:
         }
         # Redis down degrades the service but does not make it unready.
         return alive and self._started, detail
+
+
+def quiet_fenced_futures(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The event loop's exception handler: aiokafka's internal transaction futures that hold a
+    ProducerFenced nobody awaited are expected after a fence (the publish that met it has already
+    given the partition up), so they are logged at debug level instead of as errors."""
+    if isinstance(context.get("exception"), ProducerFenced) and context.get("message", "").startswith(
+            "Future exception was never retrieved"):
+        log.debug("fenced producer left an unread future", detail=context["message"])
+        return
+    loop.default_exception_handler(context)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -174,3 +174,25 @@ def test_a_partition_revoked_during_its_set_up_gets_no_producer():
 
 def test_an_unknown_outcome_resyncs_and_fencing_waits_before_trying_again():
     asyncio.run(_an_unknown_outcome_resyncs_and_fencing_waits_before_trying_again())
+
+
+def test_unread_fenced_futures_are_not_logged_as_errors_and_other_loop_errors_still_are():
+    from aiokafka.errors import ProducerFenced
+
+    from worker.service import quiet_fenced_futures
+
+    class Loop:
+        def __init__(self) -> None:
+            self.seen: list[dict] = []
+
+        def default_exception_handler(self, context) -> None:
+            self.seen.append(context)
+
+    loop = Loop()
+    quiet_fenced_futures(loop, {"message": "Future exception was never retrieved", "exception": ProducerFenced()})
+    assert loop.seen == []
+    other = {"message": "Future exception was never retrieved", "exception": RuntimeError("boom")}
+    quiet_fenced_futures(loop, other)
+    fenced_elsewhere = {"message": "Task exception was never retrieved", "exception": ProducerFenced()}
+    quiet_fenced_futures(loop, fenced_elsewhere)
+    assert loop.seen == [other, fenced_elsewhere]
