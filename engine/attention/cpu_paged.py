@@ -31,10 +31,11 @@ _SOURCES = (
     _ENGINE / "quant" / "csrc" / "quant_linear_cpu.cpp",
     _ENGINE / "models" / "csrc" / "fused_cpu.cpp",
     _ENGINE / "models" / "csrc" / "panel_gemm.cpp",
+    _ENGINE / "models" / "csrc" / "decode_layers.cpp",
 )
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_",
-              "panel_gemm_available", "pack_panels", "panel_linear"]
+              "panel_gemm_available", "pack_panels", "panel_linear", "decode_layers"]
 
 
 def _cpu_flags() -> str:

@@ -16,7 +16,16 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
-from engine.models.linear import Linear, linear, packed_bytes, prepack, prepack_linears
+from engine.models.linear import (
+    PANEL_MAX_ROWS,
+    Linear,
+    invariant_enabled,
+    is_panel_packed,
+    linear,
+    packed_bytes,
+    prepack,
+    prepack_linears,
+)
 from engine.models.rope import RotaryEmbedding
 
 
@@ -170,9 +179,61 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+        if self._fused_decode is not None and self._fused_decode_applies(x, meta):
+            x = self._fused_decode_layers(x, positions, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
+
+    # The weights of every layer, in decode_layers' order, when the whole decoder can run a
+    # decode-only step in one C++ call (engine/models/csrc/decode_layers.cpp); set by prepack_weights.
+    _fused_decode: list[torch.Tensor] | None = None
+
+    def _fused_decode_applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        rows = x.shape[0]
+        workspace = self.layers[0].mlp.workspace
+        return (not meta.prefills and meta.kv_window is None and meta.num_decodes == rows
+                and 0 < rows <= PANEL_MAX_ROWS and (workspace is None or rows <= workspace.rows)
+                and not torch.is_grad_enabled() and not invariant_enabled())
+
+    def _fused_decode_layers(self, x, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        cfg, attn = self.config, self.layers[0].self_attn
+        return cpu_kernels().decode_layers(
+            x.contiguous(), self._fused_decode, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale)
+
+    def _enable_fused_decode(self) -> bool:
+        """Run decode-only steps through decode_layers where it computes exactly what the layers do:
+        fp32 on the CPU, every projection a plain Linear with a panel-packed copy, no q/k norms, the
+        fp32 paged-attention backend and one norm epsilon."""
+        from engine.attention.cpu_paged import CpuPagedAttentionBackend
+
+        self._fused_decode = None
+        first = self.layers[0]
+        if (self.embed_tokens.weight.device.type != "cpu" or self.embed_tokens.weight.dtype != torch.float32
+                or self.rope.cos.dtype != torch.float32 or cpu_kernels() is None
+                or not hasattr(cpu_kernels(), "decode_layers")
+                or type(first.self_attn.backend) is not CpuPagedAttentionBackend):
+            return False
+        eps = self.norm.eps
+        weights: list[torch.Tensor] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (attn.q_norm is not None or attn.backend is not first.self_attn.backend
+                    or any(type(m) is not Linear or not is_panel_packed(m.packed) for m in linears)
+                    or any(m.bias is not None for m in linears[1:])
+                    or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps
+                    or layer.input_layernorm.weight.dtype != torch.float32):
+                return False
+            bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
+            weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, bias.detach(),
+                        attn.o_proj.packed, layer.post_attention_layernorm.weight.detach(),
+                        mlp.gate_up_proj.packed, mlp.down_proj.packed]
+        self._fused_decode = weights
+        return True
 
     def use_workspace(self, workspace: ActivationWorkspace | None) -> None:
         """Share one activation workspace among all layers (None: every MLP runs in one pass)."""
@@ -185,6 +246,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and (packed := prepack(self.embed_tokens.weight)) is not None:
             self.embed_tokens.packed_head = packed
             added += packed_bytes(packed, self.embed_tokens.weight)
+        self._enable_fused_decode()
         return added
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,85 @@
+// Every decoder layer of a decode-only step in one call (fp32 CPU, panel-packed weights).
+//
+// Why: at small batches a decode step spends a large share of its time in Python between the
+// kernels (module calls, splits, views, one torch dispatch per small op); bench.throughput's
+// single-stream rows compare this path with the layer-by-layer one in the same run. This function
+// runs the same sequence of kernels as engine/models/llama.py's DecoderLayer on the CPU path (the
+// functions above in this translation unit, and at::silu_ / mul_ / add_ where the Python path
+// calls torch), so a row's result is bitwise the same as the Python path's
+// (tests/unit/test_fused_decode.py); only the bookkeeping moves out of the interpreter.
+//
+// Per layer, with x the residual stream [B, hidden], updated in place:
+//   h = rms_norm(x); qkv = h @ Wqkv (+ b); rope(q, k); K/V rows -> their cache slots;
+//   a = paged decode attention(q); x += a @ Wo; h = rms_norm(x); gu = h @ Wgu;
+//   gate = silu(gate) * up; x += gate @ Wdown.
+
+struct DecodeLayerWeights {
+  torch::Tensor in_norm, qkv, qkv_bias, o, post_norm, gate_up, down;
+};
+
+torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> kv_caches,
+                            torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                            torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale) {
+  constexpr size_t kPerLayer = 7;
+  const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(weights.size() == kPerLayer * kv_caches.size(), "decode_layers: ", kPerLayer,
+              " weights per layer expected (norm, qkv, qkv bias, o, norm, gate_up, down), got ", weights.size(),
+              " for ", layers, " layers");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "decode_layers: x must be a "
+              "contiguous fp32 [tokens, hidden] tensor");
+  const int64_t B = x.size(0), hidden = x.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(slot_mapping.numel() == B && positions.numel() == B && seq_lens.numel() == B &&
+                  block_tables.size(0) == B,
+              "decode_layers: one slot, position, sequence length and block table per token");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong,
+              "decode_layers: slot_mapping and positions must be int64");
+  auto slots_c = slot_mapping.contiguous();
+  auto pos_c = positions.contiguous();
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor& kv = kv_caches[l];
+    TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.scalar_type() == torch::kFloat &&
+                    kv.size(3) == num_kv_heads && kv.size(4) == head_dim,
+                "decode_layers: layer ", l, "'s KV cache must be a contiguous fp32 [2, blocks, block_size, ",
+                num_kv_heads, ", ", head_dim, "] tensor");
+    const int64_t capacity = kv.size(1) * kv.size(2);
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(slots[b] >= 0 && slots[b] < capacity, "decode_layers: slot ", slots[b], " outside the cache");
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    const DecodeLayerWeights w{weights[kPerLayer * l], weights[kPerLayer * l + 1], weights[kPerLayer * l + 2],
+                               weights[kPerLayer * l + 3], weights[kPerLayer * l + 4], weights[kPerLayer * l + 5],
+                               weights[kPerLayer * l + 6]};
+    const torch::Tensor& kv = kv_caches[l];
+    // Attention block.
+    auto h = rms_norm_rows(x, w.in_norm, eps);
+    c10::optional<torch::Tensor> bias;
+    if (w.qkv_bias.numel() > 0) bias = w.qkv_bias;
+    auto qkv = panel_linear(h, w.qkv, q_size + 2 * kv_size, bias);
+    auto q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
+    auto k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
+    rope_rows_(q, k, cos, sin, pos_c);
+    float* cache = kv.data_ptr<float>();
+    const int64_t half = kv.stride(0);
+    const float* rows = qkv.data_ptr<float>();
+    const int64_t ld = qkv.stride(0);
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(cache + slots[b] * kv_size, rows + b * ld + q_size, kv_size * sizeof(float));
+      std::memcpy(cache + half + slots[b] * kv_size, rows + b * ld + q_size + kv_size, kv_size * sizeof(float));
+    }
+    auto attn = paged_decode_attention(q, kv, bt, lens, scale);
+    auto o = panel_linear(attn.view({B, q_size}), w.o, hidden, c10::nullopt);
+    // MLP block.
+    h = add_rms_norm_rows(x, o, w.post_norm, eps);
+    auto gate_up = panel_linear(h, w.gate_up, 2 * intermediate, c10::nullopt);
+    auto gate = gate_up.narrow(1, 0, intermediate);
+    at::silu_(gate);
+    gate.mul_(gate_up.narrow(1, intermediate, intermediate));
+    x.add_(panel_linear(gate, w.down, hidden, c10::nullopt));
+  }
+  return x;
+}

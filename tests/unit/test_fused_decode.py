@@ -1,0 +1,120 @@
+"""The one-call decoder for decode-only steps (engine/models/csrc/decode_layers.cpp).
+
+With cpu_prepack_weights on an AVX-512 CPU, a step whose every token is a decode runs all layers in
+one C++ call. It must compute exactly what the layer-by-layer Python path computes (same tokens,
+bitwise-equal logprobs), be used only where that holds, and reject bad arguments with a clear
+error. Its agreement with HF transformers is in tests/reference/test_engine_reference.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models import linear as lin
+from engine.models.cpu_kernels import cpu_kernels
+from tests.conftest import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel, "
+                                "which needs AVX-512 and the CPU extension")
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+
+
+def prompts(n: int = 10) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 50))] for _ in range(n)]
+
+
+def engine_llm(path, **options) -> LLM:
+    return LLM(model=str(path), dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
+               enable_prefix_caching=False, **options)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The number of decode_layers calls so far (the real kernel still runs)."""
+    ops, calls = cpu_kernels(), []
+    real = ops.decode_layers
+    monkeypatch.setattr(ops, "decode_layers", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_steps_equal_the_layer_by_layer_path_bitwise(tmp_path, arch, counted):
+    path = write_tiny_model(tmp_path / arch, arch, seed=3)
+    llm = engine_llm(path, cpu_prepack_weights=True)
+    model = llm.engine.model
+    assert model._fused_decode is not None
+    fused = llm.generate(prompts(), PARAMS)
+    assert counted and max(counted) > 1, "no batched decode-only step went through decode_layers"
+    weights, model._fused_decode = model._fused_decode, None
+    calls = len(counted)
+    layered = llm.generate(prompts(), PARAMS)
+    assert len(counted) == calls, "the layer-by-layer run must not call decode_layers"
+    model._fused_decode = weights
+    for a, b in zip(fused, layered, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # exact floats: the same kernels in the same order
+
+
+def test_mixed_steps_and_batch_invariant_steps_take_the_layer_path(tiny_llama, counted):
+    llm = engine_llm(tiny_llama, cpu_prepack_weights=True)
+    engine = llm.engine
+    for i, p in enumerate(prompts(3)):
+        engine.add_request(f"r{i}", p, PARAMS)
+    while engine.has_unfinished_requests():
+        before = len(counted)
+        engine.step()
+        stats = engine.last_stats
+        assert (len(counted) > before) == (stats.step_prefill_tokens == 0 and stats.step_decode_seqs > 0)
+    # Deterministic requests run their linears batch-invariantly, which decode_layers does not.
+    before = len(counted)
+    out = llm.generate(prompts(2), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, deterministic=True))
+    assert all(len(o.token_ids) == 6 for o in out)
+    assert len(counted) == before
+
+
+@pytest.mark.parametrize(("arch", "options"), [
+    ("llama", {}),                                        # no packed copies
+    ("llama", {"cpu_prepack_weights": True, "cache_bits": 8}),  # int8 KV cache: another attention kernel
+    ("qwen3", {"cpu_prepack_weights": True}),             # per-head q/k norms
+])
+def test_not_enabled_where_it_would_compute_something_else(tmp_path, arch, options, counted):
+    path = write_tiny_model(tmp_path / arch, arch, seed=4)
+    llm = engine_llm(path, **options)
+    assert llm.engine.model._fused_decode is None
+    out = llm.generate(prompts(4), PARAMS)
+    assert all(len(o.token_ids) == 12 for o in out)
+    assert counted == []
+
+
+def test_bad_arguments_get_a_clear_error(tiny_llama):
+    llm = engine_llm(tiny_llama, cpu_prepack_weights=True)
+    model, engine = llm.engine.model, llm.engine
+    cfg = model.config
+    weights = model._fused_decode
+    kv = engine.kv_caches
+    x = torch.randn(1, cfg.hidden_size)
+    tables, lens, pos = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+
+    def call(**kw):
+        args = dict(x=x, weights=weights, kv=kv, slots=torch.zeros(1, dtype=torch.int64))
+        args.update(kw)
+        return cpu_kernels().decode_layers(
+            args["x"], args["weights"], args["kv"], args["slots"], tables, lens, pos, model.rope.cos, model.rope.sin,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.norm.eps, 0.25)
+
+    capacity = kv[0].shape[1] * kv[0].shape[2]
+    kv[0][:, 0, 0].zero_()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(slots=torch.tensor([capacity]))
+    with pytest.raises(RuntimeError, match="weights per layer"):
+        call(weights=weights[:-1])
+    with pytest.raises(RuntimeError, match="one slot, position"):
+        call(x=torch.randn(2, cfg.hidden_size))
+    # A rejected call wrote nothing: the checks run before the first layer.
+    assert torch.count_nonzero(kv[0][:, 0, 0]) == 0
