@@ -68,3 +68,15 @@ def write_byte_tokenizer(path: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture
+def decode_layers_calls(monkeypatch) -> list[int]:
+    """Rows of each call of the one-call decoder (decode_layers) from here on; the real kernel still runs."""
+    from engine.models.cpu_kernels import cpu_kernels
+
+    ops, calls = cpu_kernels(), []
+    if ops is not None:
+        real = ops.decode_layers
+        monkeypatch.setattr(ops, "decode_layers", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    return calls

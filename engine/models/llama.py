@@ -214,7 +214,6 @@ class LlamaForCausalLM(nn.Module):
         first = self.layers[0]
         if (self.embed_tokens.weight.device.type != "cpu" or self.embed_tokens.weight.dtype != torch.float32
                 or self.rope.cos.dtype != torch.float32 or cpu_kernels() is None
-                or not hasattr(cpu_kernels(), "decode_layers")
                 or type(first.self_attn.backend) is not CpuPagedAttentionBackend):
             return False
         eps = self.norm.eps

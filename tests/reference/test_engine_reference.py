@@ -50,31 +50,18 @@ def panel_kernel() -> bool:
     return _panel_kernel()
 
 
-def count_fused_decode_steps(monkeypatch):
-    """Count calls of the one-call decoder (decode_layers); returns a function that reads the count."""
-    from engine.models.cpu_kernels import cpu_kernels
-
-    ops, calls = cpu_kernels(), []
-    if ops is None or not hasattr(ops, "decode_layers"):
-        return lambda: 0
-    real = ops.decode_layers
-    monkeypatch.setattr(ops, "decode_layers", lambda *a: calls.append(1) or real(*a))
-    return lambda: len(calls)
-
-
 def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([token_ids])).logits[0].float()
 
 
 @pytest.mark.parametrize("variant", BACKENDS)
-def test_decode_and_prefill_logits_match_hf_through_the_scheduler(tiny_pair, variant, monkeypatch):
+def test_decode_and_prefill_logits_match_hf_through_the_scheduler(tiny_pair, variant, decode_layers_calls):
     path, hf = tiny_pair
     backend, prepack = BACKENDS[variant]
     llm = LLM(model=str(path), dtype="float32", attention_backend=backend, max_num_batched_tokens=32,
               block_size=8, num_kv_blocks=64, cpu_prepack_weights=prepack)
     engine = llm.engine
-    fused_steps = count_fused_decode_steps(monkeypatch)
     engine.runner.capture_logits = True
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 17, 40, 70)]
@@ -93,7 +80,7 @@ def test_decode_and_prefill_logits_match_hf_through_the_scheduler(tiny_pair, var
             seen[rid].append((positions[rid], logits))
     assert mixed_steps > 0, "the batch never mixed prefill and decode"
     fused_expected = prepack and panel_kernel() and engine.model.layers[0].self_attn.q_norm is None
-    assert (fused_steps() > 0) == fused_expected, (variant, fused_steps())
+    assert bool(decode_layers_calls) == fused_expected, (variant, len(decode_layers_calls))
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
         out_tokens = [int(lg.argmax()) for _, lg in seen[rid]]
@@ -141,15 +128,14 @@ def smollm2_pair():
 
 
 @pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
-def test_smollm2_greedy_tokens_equal_hf_in_a_mixed_batch(smollm2_pair, prepack, monkeypatch):
+def test_smollm2_greedy_tokens_equal_hf_in_a_mixed_batch(smollm2_pair, prepack, decode_layers_calls):
     path, hf = smollm2_pair
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64, cpu_prepack_weights=prepack)
-    fused_steps = count_fused_decode_steps(monkeypatch)
     tok = llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for c in SMOL_PROMPTS]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5)
     outs = llm.generate(prompts, params)
-    assert (fused_steps() > 0) == (prepack and panel_kernel())
+    assert bool(decode_layers_calls) == (prepack and panel_kernel())
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
