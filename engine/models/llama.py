@@ -199,22 +199,28 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_decode_layers(self, x, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         cfg, attn = self.config, self.layers[0].self_attn
+        if isinstance(kv_caches[0], torch.Tensor):
+            values, scales = kv_caches, []
+        else:  # Int8KVCache: int8 values and their fp16 scales
+            values, scales = [c.values for c in kv_caches], [c.scales for c in kv_caches]
         return cpu_kernels().decode_layers(
-            x.contiguous(), self._fused_decode, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+            x.contiguous(), self._fused_decode, values, scales, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale)
 
     def _enable_fused_decode(self) -> bool:
         """Run decode-only steps through decode_layers where it computes exactly what the layers do:
         fp32 on the CPU, every projection a plain Linear with a panel-packed copy, no q/k norms, the
-        fp32 paged-attention backend and one norm epsilon."""
+        C++ paged-attention backend over an fp32 or int8 cache (an int8 cache's full-precision window
+        takes the layer path step by step: _fused_decode_applies) and one norm epsilon."""
         from engine.attention.cpu_paged import CpuPagedAttentionBackend
+        from engine.attention.int8_backend import CpuPagedInt8AttentionBackend
 
         self._fused_decode = None
         first = self.layers[0]
         if (self.embed_tokens.weight.device.type != "cpu" or self.embed_tokens.weight.dtype != torch.float32
                 or self.rope.cos.dtype != torch.float32 or cpu_kernels() is None
-                or type(first.self_attn.backend) is not CpuPagedAttentionBackend):
+                or type(first.self_attn.backend) not in (CpuPagedAttentionBackend, CpuPagedInt8AttentionBackend)):
             return False
         eps = self.norm.eps
         weights: list[torch.Tensor] = []

@@ -39,10 +39,18 @@ def counted(decode_layers_calls):
     return decode_layers_calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decode_steps_equal_the_layer_by_layer_path_bitwise(tmp_path, arch, counted):
-    path = write_tiny_model(tmp_path / arch, arch, seed=3)
-    llm = engine_llm(path, cpu_prepack_weights=True)
+@pytest.mark.parametrize(("arch", "options"), [
+    ("llama", {}),
+    ("qwen2", {}),
+    # int8 KV cache: new rows quantized in C++ exactly as kv_int8.quantize_rows does; head_dim 16 takes
+    # the int8 kernel's generic path, head_dim 64 its AVX-512 path.
+    ("llama", {"cache_bits": 8}),
+    ("llama", {"cache_bits": 8, "shape": {"hidden_size": 256, "num_attention_heads": 4}}),
+])
+def test_decode_steps_equal_the_layer_by_layer_path_bitwise(tmp_path, arch, options, counted):
+    options = dict(options)
+    path = write_tiny_model(tmp_path / arch, arch, seed=3, **options.pop("shape", {}))
+    llm = engine_llm(path, cpu_prepack_weights=True, **options)
     model = llm.engine.model
     assert model._fused_decode is not None
     fused = llm.generate(prompts(), PARAMS)
@@ -76,13 +84,21 @@ def test_mixed_steps_and_batch_invariant_steps_take_the_layer_path(tiny_llama, c
 
 @pytest.mark.parametrize(("arch", "options"), [
     ("llama", {}),                                        # no packed copies
-    ("llama", {"cpu_prepack_weights": True, "cache_bits": 8}),  # int8 KV cache: another attention kernel
     ("qwen3", {"cpu_prepack_weights": True}),             # per-head q/k norms
 ])
 def test_not_enabled_where_it_would_compute_something_else(tmp_path, arch, options, counted):
     path = write_tiny_model(tmp_path / arch, arch, seed=4)
     llm = engine_llm(path, **options)
     assert llm.engine.model._fused_decode is None
+    out = llm.generate(prompts(4), PARAMS)
+    assert all(len(o.token_ids) == 12 for o in out)
+    assert counted == []
+
+
+def test_an_int8_cache_with_a_full_precision_window_takes_the_layer_path(tiny_llama, counted):
+    # The window's recent rows are read from an fp32 ring, which decode_layers does not do.
+    llm = engine_llm(tiny_llama, cpu_prepack_weights=True, cache_bits=8, kv_fp_window=4)
+    assert llm.engine.model._fused_decode is not None
     out = llm.generate(prompts(4), PARAMS)
     assert all(len(o.token_ids) == 12 for o in out)
     assert counted == []
@@ -98,10 +114,10 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
     tables, lens, pos = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
 
     def call(**kw):
-        args = dict(x=x, weights=weights, kv=kv, slots=torch.zeros(1, dtype=torch.int64))
+        args = dict(x=x, weights=weights, kv=kv, scales=[], slots=torch.zeros(1, dtype=torch.int64))
         args.update(kw)
         return cpu_kernels().decode_layers(
-            args["x"], args["weights"], args["kv"], args["slots"], tables, lens, pos, model.rope.cos, model.rope.sin,
+            args["x"], args["weights"], args["kv"], args["scales"], args["slots"], tables, lens, pos, model.rope.cos, model.rope.sin,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.norm.eps, 0.25)
 
     capacity = kv[0].shape[1] * kv[0].shape[2]
@@ -112,5 +128,13 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         call(weights=weights[:-1])
     with pytest.raises(RuntimeError, match="one slot, position"):
         call(x=torch.randn(2, cfg.hidden_size))
+    with pytest.raises(RuntimeError, match="KV scale tensors"):
+        call(scales=[torch.zeros(1, dtype=torch.float16)])
+    # fp16 scales given with fp32 caches: the caches are not int8.
+    with pytest.raises(RuntimeError, match="KV cache must be a contiguous int8"):
+        call(scales=[torch.zeros(c.shape[:4], dtype=torch.float16) for c in kv])
+    int8 = [torch.zeros(c.shape, dtype=torch.int8) for c in kv]
+    with pytest.raises(RuntimeError, match="KV scales must be contiguous fp16"):
+        call(kv=int8, scales=[torch.zeros(c.shape[:4]) for c in kv])
     # A rejected call wrote nothing: the checks run before the first layer.
     assert torch.count_nonzero(kv[0][:, 0, 0]) == 0

@@ -1,8 +1,9 @@
 """The CPU paged decode-attention kernel against a plain torch reference.
 
-Covers both code paths of engine/attention/csrc/paged_attention_cpu.cpp: the per-sequence
-AVX-512 path (fp32 cache, head_dim 64 or 128) and the per-(sequence, KV head) path (other head
-sizes, half-precision caches), with GQA groups, lengths around block edges and scattered blocks.
+Covers both code paths of engine/attention/csrc/paged_attention_cpu.cpp and of its int8-cache
+variant (paged_attention_int8_cpu.cpp): the per-sequence AVX-512 path (head_dim 64 or 128) and
+the per-(sequence, KV head) path (other head sizes, half-precision caches), with GQA groups,
+lengths around block edges and scattered blocks.
 """
 
 from __future__ import annotations
@@ -67,3 +68,40 @@ def test_half_precision_cache():
     q = torch.randn(2, 4, 64, generator=g)
     got = load_kernels().paged_decode_attention(q, kv, tables, lens, 0.125)
     torch.testing.assert_close(got, reference(q, kv.float(), tables, lens, 0.125), rtol=1e-4, atol=1e-4)
+
+
+def int8_cache(g, num_blocks, block_size, kv_heads, head_dim):
+    codes = torch.randint(-127, 128, (2, num_blocks, block_size, kv_heads, head_dim), generator=g, dtype=torch.int8)
+    scales = (torch.rand(2, num_blocks, block_size, kv_heads, generator=g) * 0.02 + 1e-3).to(torch.float16)
+    return codes, scales, codes.float() * scales.float().unsqueeze(-1)
+
+
+# head_dim 64 and 128 take the AVX-512 sequence-per-task path (where the CPU has it), 32 and 48 the
+# per-(sequence, KV head) path; both dequantize value * scale and attend in fp32.
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 32), (4, 1, 48)])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_int8_cache_matches_the_reference_on_its_dequantized_rows(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 10 + head_dim + block_size)
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 7], dtype=torch.int64)
+    max_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    codes, scales, dequantized = int8_cache(g, num_blocks, block_size, kv_heads, head_dim)
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    got = load_kernels().paged_decode_attention_int8(q, codes, scales, tables, lens, scale, None, None, None)
+    torch.testing.assert_close(got, reference(q, dequantized, tables, lens, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_cache_each_sequence_is_independent_of_the_batch():
+    g = torch.Generator().manual_seed(8)
+    codes, scales, _ = int8_cache(g, 64, 16, 3, 64)
+    tables = torch.randperm(64, generator=g)[:60].view(6, 10)
+    lens = torch.tensor([150, 3, 160, 77, 16, 90], dtype=torch.int64)
+    q = torch.randn(6, 9, 64, generator=g)
+    ops = load_kernels()
+    full = ops.paged_decode_attention_int8(q, codes, scales, tables, lens, 0.125, None, None, None)
+    for b in range(6):
+        alone = ops.paged_decode_attention_int8(q[b:b + 1], codes, scales, tables[b:b + 1], lens[b:b + 1], 0.125,
+                                                None, None, None)
+        assert torch.equal(alone, full[b:b + 1])

@@ -183,36 +183,53 @@ static inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d, e, 0x88), _mm512_shuffle_f32x4(d, e, 0xDD));
 }
 
-static inline void prefetch_span(const float* p, int64_t floats, int hint_l2) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < floats * 4; off += 64) {
+static inline void prefetch_bytes(const void* p, int64_t bytes, int hint_l2) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
     if (hint_l2) _mm_prefetch(c + off, _MM_HINT_T1); else _mm_prefetch(c + off, _MM_HINT_T0);
   }
 }
 
 alignas(64) static const float kZeroRow[256] = {};
 
-// One sequence, all heads (fp32 cache, D = 16 * NV, each block's rows contiguous). Pass 1 reads K
-// block by block, contiguously, with the next block prefetched into L1 and this block's V into L2,
-// and writes every head's scores, sixteen tokens per reduction; exact softmax per head; pass 2
-// reads V the same way. Its effect, with the panel GEMM kernel's, is in bench.throughput's figures.
-template <int NV>
-static void decode_seq_512(const float* q, float* out, const float* kbase, const float* vbase, const int64_t* table,
-                           int64_t L, int64_t BS, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
-                           int64_t H, int64_t KVH, float scale, float* scores, int64_t Ls) {
+// Where decode_seq_512 reads K (side 0) and V (side 1) rows: an fp32 cache is read in place; an
+// int8 cache (paged_attention_int8_cpu.cpp) dequantizes up to one block's rows of one KV head into
+// a small scratch that stays in L1 (value * scale, exact in fp32, as the torch reference computes
+// it), so the arithmetic after that is the same code for both.
+struct Fp32Rows {
+  const float* base[2];
+  int64_t blk_stride, tok_stride, head_stride, block_bytes;
+  void prefetch(int side, int64_t blk, int hint_l2) const { prefetch_bytes(base[side] + blk * blk_stride, block_bytes, hint_l2); }
+  // rows[j] = row j0 + j of block blk, KV head kh, for j < m; scratch is unused.
+  void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float*, const float** out) const {
+    const float* r = base[side] + blk * blk_stride + j0 * tok_stride + kh * head_stride;
+    for (int64_t j = 0; j < m; ++j) out[j] = r + j * tok_stride;
+  }
+};
+
+// One sequence, all heads (D = 16 * NV). Pass 1 reads K block by block, contiguously, with the next
+// block prefetched into L1 and this block's V into L2, and writes every head's scores, sixteen
+// tokens per reduction; exact softmax per head; pass 2 reads V the same way, the next block
+// prefetched into L1. Scratch: 2 * BS * D
+// floats for Rows that dequantize, BS + 16 row pointers. Its effect, with the panel GEMM kernel's,
+// is in bench.throughput's figures.
+template <int NV, typename Rows>
+static void decode_seq_512(const float* q, float* out, const Rows& src, const int64_t* table, int64_t L, int64_t BS,
+                           int64_t H, int64_t KVH, float scale, float* scores, int64_t Ls, float* scratch,
+                           const float** ptrs) {
   constexpr int64_t D = 16 * NV;
-  const int64_t G = H / KVH, nblk = (L + BS - 1) / BS, span = BS * tok_stride;
+  const int64_t G = H / KVH, nblk = (L + BS - 1) / BS;
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < nblk; ++i) {
-    const float* kb = kbase + table[i] * blk_stride;
-    if (i + 1 < nblk) prefetch_span(kbase + table[i + 1] * blk_stride, span, 0);
-    prefetch_span(vbase + table[i] * blk_stride, span, 1);
+    if (i + 1 < nblk) src.prefetch(0, table[i + 1], 0);
+    src.prefetch(1, table[i], 1);
     const int64_t n = std::min(BS, L - i * BS);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t kh = 0; kh < KVH; ++kh) {
         const float* rows[16];
-        for (int jj = 0; jj < 16; ++jj) rows[jj] = jj < m ? kb + (j0 + jj) * tok_stride + kh * head_stride : kZeroRow;
+        src.rows(0, table[i], j0, m, kh, scratch, rows);
+        for (int64_t jj = m; jj < 16; ++jj) rows[jj] = kZeroRow;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
           __m512 qv[NV];
@@ -239,9 +256,10 @@ static void decode_seq_512(const float* q, float* out, const float* kbase, const
   for (int64_t h = 0; h < H; ++h)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_setzero_ps());
   for (int64_t i = 0; i < nblk; ++i) {
-    const float* vb = vbase + table[i] * blk_stride;
     const int64_t n = std::min(BS, L - i * BS);
+    if (i + 1 < nblk) src.prefetch(1, table[i + 1], 0);
     for (int64_t kh = 0; kh < KVH; ++kh) {
+      src.rows(1, table[i], 0, n, kh, scratch, ptrs);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
         const float* p = scores + h * Ls + i * BS;
@@ -249,8 +267,8 @@ static void decode_seq_512(const float* q, float* out, const float* kbase, const
         for (int c = 0; c < NV; ++c) { acc[c] = _mm512_loadu_ps(out + h * D + 16 * c); acc2[c] = _mm512_setzero_ps(); }
         int64_t j = 0;
         for (; j + 2 <= n; j += 2) {
-          const float* r0 = vb + j * tok_stride + kh * head_stride;
-          const float* r1 = r0 + tok_stride;
+          const float* r0 = ptrs[j];
+          const float* r1 = ptrs[j + 1];
           const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
           for (int c = 0; c < NV; ++c) {
             acc[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * c), acc[c]);
@@ -258,7 +276,7 @@ static void decode_seq_512(const float* q, float* out, const float* kbase, const
           }
         }
         if (j < n) {
-          const float* r0 = vb + j * tok_stride + kh * head_stride;
+          const float* r0 = ptrs[j];
           const __m512 p0 = _mm512_set1_ps(p[j]);
           for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * c), acc[c]);
         }
@@ -268,21 +286,13 @@ static void decode_seq_512(const float* q, float* out, const float* kbase, const
   }
 }
 
-// Every sequence of the batch by decode_seq_512, one task per sequence.
-static void decode_attn_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = kv.size(2), KVH = kv.size(3), MB = block_tables.size(1);
-  const float* kbase = kv.data_ptr<float>();
-  const float* vbase = kbase + kv.stride(0);
-  const int64_t blk_stride = kv.stride(1), tok_stride = kv.stride(2), head_stride = kv.stride(3);
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+// Every sequence of the batch by decode_seq_512, one task per sequence; q and out [B, H, D] fp32.
+template <typename Rows>
+static void decode_batch_avx512(float* op, const float* qp, const Rows& src, const int64_t* bt, const int64_t* sl,
+                                int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t BS, int64_t MB, float sc) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, scratch(2 * BS * D);
+    std::vector<const float*> ptrs(BS + 16);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = sl[b];
       if (L <= 0) {
@@ -292,13 +302,23 @@ static void decode_attn_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor
       const int64_t Ls = ((L + BS - 1) / BS) * BS + 16;
       scores.resize(H * Ls);
       if (D == 64)
-        decode_seq_512<4>(qp + b * H * D, op + b * H * D, kbase, vbase, bt + b * MB, L, BS, blk_stride, tok_stride,
-                          head_stride, H, KVH, sc, scores.data(), Ls);
+        decode_seq_512<4>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
+                          scratch.data(), ptrs.data());
       else
-        decode_seq_512<8>(qp + b * H * D, op + b * H * D, kbase, vbase, bt + b * MB, L, BS, blk_stride, tok_stride,
-                          head_stride, H, KVH, sc, scores.data(), Ls);
+        decode_seq_512<8>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
+                          scratch.data(), ptrs.data());
     }
   });
+}
+
+static void decode_attn_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+                               torch::Tensor seq_lens, double scale) {
+  const float* kbase = kv.data_ptr<float>();
+  const Fp32Rows src{{kbase, kbase + kv.stride(0)}, kv.stride(1), kv.stride(2), kv.stride(3),
+                     kv.size(2) * kv.stride(2) * static_cast<int64_t>(sizeof(float))};
+  decode_batch_avx512(out.data_ptr<float>(), q.data_ptr<float>(), src, block_tables.data_ptr<int64_t>(),
+                      seq_lens.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2), kv.size(3), kv.size(2),
+                      block_tables.size(1), static_cast<float>(scale));
 }
 #endif
 

@@ -6,6 +6,9 @@
 // (value * scale, as the torch reference computes it) and runs the fp32 helpers on that.
 // Dynamic precision: rows at or after `ring_lo[b]` are read at full precision from the
 // sequence's ring of recent rows (ring[slot, row % W]) instead of the int8 pool.
+// On AVX-512 CPUs, without a ring, head_dim 64 or 128: the fp32 kernel's sequence-per-task path
+// (decode_seq_512) reads the int8 rows, a quarter of the fp32 bytes, dequantizing one block of one
+// KV head at a time into L1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <vector>
@@ -20,6 +23,30 @@ static inline void dequant_row(const int8_t* q, float s, float* out, int64_t D) 
 #endif
   for (; d < D; ++d) out[d] = static_cast<float>(q[d]) * s;
 }
+
+#ifdef HAVE_AVX512_DECODE
+struct Int8Rows {
+  const int8_t* base[2];
+  const at::Half* scales[2];
+  int64_t BS, KVH, D, block_bytes;
+  void prefetch(int side, int64_t blk, int hint_l2) const {
+    prefetch_bytes(base[side] + blk * BS * KVH * D, block_bytes, hint_l2);
+    prefetch_bytes(scales[side] + blk * BS * KVH, BS * KVH * 2, hint_l2);
+  }
+  void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float* scratch, const float** out) const {
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t r = (blk * BS + j0 + j) * KVH + kh;
+      const int8_t* codes = base[side] + r * D;
+      const __m512 s = _mm512_set1_ps(static_cast<float>(scales[side][r]));
+      float* dst = scratch + j * D;
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d)))), s));
+      out[j] = dst;
+    }
+  }
+};
+#endif
 
 torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_scales,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
@@ -65,6 +92,13 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor kv, tor
     lo = lo_t.data_ptr<int64_t>();
   }
   const float sc = static_cast<float>(scale);
+#ifdef HAVE_AVX512_DECODE
+  if (!windowed && (D == 64 || D == 128) && H % KVH == 0) {
+    const Int8Rows src{{kbase, vbase}, {ksc, vsc}, BS, KVH, D, BS * KVH * D};
+    decode_batch_avx512(op, qp, src, bt, sl, B, H, D, KVH, BS, MB, sc);
+    return out.to(q.scalar_type());
+  }
+#endif
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, conv;
     std::vector<const float*> krows, vrows;

@@ -12,15 +12,33 @@
 //   h = rms_norm(x); qkv = h @ Wqkv (+ b); rope(q, k); K/V rows -> their cache slots;
 //   a = paged decode attention(q); x += a @ Wo; h = rms_norm(x); gu = h @ Wgu;
 //   gate = silu(gate) * up; x += gate @ Wdown.
+// With an int8 KV cache (kv_scales holds each layer's fp16 scales), new K/V rows are quantized as
+// engine/attention/kv_int8.py's quantize_rows does (absmax / 127 rounded to fp16, codes rounded half
+// to even) and attention reads the int8 pool (paged_decode_attention_int8, no full-precision ring).
+
+// kv_int8.py's clamp bounds for a scale: the smallest normal fp16 and the largest fp16.
+constexpr float kKvScaleMin = 6.103515625e-05f, kKvScaleMax = 65504.f;
+
+static void quantize_row_int8(const float* x, int64_t D, int8_t* codes, at::Half* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = std::min(std::max(amax / 127.f, kKvScaleMin), kKvScaleMax);
+  const at::Half stored(s);
+  const float sf = static_cast<float>(stored);
+  for (int64_t d = 0; d < D; ++d)
+    codes[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / sf))));
+  *scale = stored;
+}
 
 struct DecodeLayerWeights {
   torch::Tensor in_norm, qkv, qkv_bias, o, post_norm, gate_up, down;
 };
 
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> kv_caches,
-                            torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                            torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale) {
+                            std::vector<torch::Tensor> kv_scales, torch::Tensor slot_mapping,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor positions,
+                            torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t intermediate, double eps, double scale) {
   constexpr size_t kPerLayer = 7;
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(weights.size() == kPerLayer * kv_caches.size(), "decode_layers: ", kPerLayer,
@@ -40,12 +58,20 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const bool int8_kv = !kv_scales.empty();
+  TORCH_CHECK(!int8_kv || kv_scales.size() == kv_caches.size(), "decode_layers: ", kv_scales.size(),
+              " KV scale tensors for ", layers, " layers (one per layer for an int8 cache, none for fp32)");
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor& kv = kv_caches[l];
-    TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.scalar_type() == torch::kFloat &&
+    TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.scalar_type() == (int8_kv ? torch::kChar : torch::kFloat) &&
                     kv.size(3) == num_kv_heads && kv.size(4) == head_dim,
-                "decode_layers: layer ", l, "'s KV cache must be a contiguous fp32 [2, blocks, block_size, ",
-                num_kv_heads, ", ", head_dim, "] tensor");
+                "decode_layers: layer ", l, "'s KV cache must be a contiguous ", int8_kv ? "int8" : "fp32",
+                " [2, blocks, block_size, ", num_kv_heads, ", ", head_dim, "] tensor");
+    if (int8_kv)
+      TORCH_CHECK(kv_scales[l].is_contiguous() && kv_scales[l].scalar_type() == torch::kHalf &&
+                      kv_scales[l].sizes() == kv.sizes().slice(0, 4),
+                  "decode_layers: layer ", l, "'s KV scales must be contiguous fp16 [2, blocks, block_size, ",
+                  num_kv_heads, "]");
     const int64_t capacity = kv.size(1) * kv.size(2);
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(slots[b] >= 0 && slots[b] < capacity, "decode_layers: slot ", slots[b], " outside the cache");
@@ -63,15 +89,30 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     auto q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     rope_rows_(q, k, cos, sin, pos_c);
-    float* cache = kv.data_ptr<float>();
     const int64_t half = kv.stride(0);
     const float* rows = qkv.data_ptr<float>();
     const int64_t ld = qkv.stride(0);
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(cache + slots[b] * kv_size, rows + b * ld + q_size, kv_size * sizeof(float));
-      std::memcpy(cache + half + slots[b] * kv_size, rows + b * ld + q_size + kv_size, kv_size * sizeof(float));
+    torch::Tensor attn;
+    if (int8_kv) {
+      int8_t* codes = kv.data_ptr<int8_t>();
+      at::Half* scales = kv_scales[l].data_ptr<at::Half>();
+      const int64_t scale_half = kv_scales[l].stride(0);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t side = 0; side < 2; ++side)
+          for (int64_t h = 0; h < num_kv_heads; ++h)
+            quantize_row_int8(rows + b * ld + q_size + side * kv_size + h * head_dim, head_dim,
+                              codes + side * half + slots[b] * kv_size + h * head_dim,
+                              scales + side * scale_half + slots[b] * num_kv_heads + h);
+      attn = paged_decode_attention_int8(q, kv, kv_scales[l], bt, lens, scale, c10::nullopt, c10::nullopt,
+                                         c10::nullopt);
+    } else {
+      float* cache = kv.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) {
+        std::memcpy(cache + slots[b] * kv_size, rows + b * ld + q_size, kv_size * sizeof(float));
+        std::memcpy(cache + half + slots[b] * kv_size, rows + b * ld + q_size + kv_size, kv_size * sizeof(float));
+      }
+      attn = paged_decode_attention(q, kv, bt, lens, scale);
     }
-    auto attn = paged_decode_attention(q, kv, bt, lens, scale);
     auto o = panel_linear(attn.view({B, q_size}), w.o, hidden, c10::nullopt);
     // MLP block.
     h = add_rms_norm_rows(x, o, w.post_norm, eps);

@@ -1,0 +1,127 @@
+"""Decode steps at large batches with an fp32 KV cache against an int8 one (cache_bits: 8), SmolLM2-135M.
+
+    .venv/bin/python -m bench.kv_decode
+    .venv/bin/python -m bench.kv_decode --batches 48 --context 768 --rounds 5
+
+At batch 48 with a few hundred tokens of context, a decode step reads more KV cache than weights
+(46,080 bytes per token in fp32 against 11,880 in int8). Both engines run in one process with
+`cpu_prepack_weights`, so their decode-only steps go through the one-call decoder
+(decode_layers); they alternate round after round, and each round's decode-only steps at the
+full batch are timed by the engine itself (prefill excluded: the prompts are distinct passages of
+/usr/share/common-licenses/GPL-3, prefilled in the first round and served by the prefix cache
+after it). Medians of the rounds are compared. The last column is how many of the int8 engine's
+greedy sequences equal the fp32 engine's, token for token. Writes bench/results/kv_decode.json
+and its section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from bench.report import publish_table, run_info, write_json
+from bench.throughput import greedy, progress_bar
+from engine import LLM
+from engine.kv_cache import bytes_per_block
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+ARMS = {"fp32 KV": 16, "int8 KV": 8}  # name -> cache_bits
+
+
+def passages(llm: LLM, count: int, tokens: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of exactly `tokens` tokens from distinct offsets of the text."""
+    ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    if len(ids) < tokens + count:
+        raise SystemExit(f"{TEXT} has {len(ids)} tokens, too few for {count} prompts of {tokens}")
+    starts = random.Random(seed).sample(range(len(ids) - tokens), count)
+    return [ids[s:s + tokens] for s in starts]
+
+
+def decode_steps(llm: LLM, prompts: list[list[int]], steps: int, tag: str) -> tuple[list[float], list[list[int]]]:
+    """Step times of the decode-only steps at the full batch, and each request's tokens."""
+    engine = llm.engine
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, greedy(steps))
+    times, done = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+        st = engine.last_stats
+        if not st.step_prefill_tokens and st.step_decode_seqs == len(prompts):
+            times.append(st.step_time_s)
+    return times, [done[rid] for rid in ids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 48], help="sequences decoding together")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--steps", type=int, default=24, help="output tokens per sequence and round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two caches (medians compared)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    if min(args.batches) < 1 or max(args.batches) > 256 or args.context < 1 or args.steps < 2 or args.rounds < 1:
+        raise SystemExit("--batches must be 1-256, --context >= 1, --steps >= 2 and --rounds >= 1")
+    torch.set_num_threads(args.threads)
+    biggest = max(args.batches)
+    block_size = 16
+    blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64  # every round's rows, and slack
+    llms = {name: LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cache_bits=bits,
+                      block_size=block_size, num_kv_blocks=blocks, max_num_seqs=biggest,
+                      max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
+            for name, bits in ARMS.items()}
+    mc = llms["fp32 KV"].engine.model_config
+    row_bytes = {name: bytes_per_block(mc, 1, torch.float32, bits) for name, bits in ARMS.items()}
+    prompts = passages(llms["fp32 KV"], biggest, args.context)
+    data = {**run_info("bench.kv_decode", args.threads), "context": args.context, "steps": args.steps,
+            "rounds": args.rounds, "kv_bytes_per_token": row_bytes, "batches": {}}
+    with progress_bar("kv decode", len(args.batches) * args.rounds * len(ARMS)) as advance, torch.inference_mode():
+        for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
+            decode_steps(llm, prompts, 2, f"warm-{name}")
+        for batch in args.batches:
+            times: dict[str, list[float]] = {name: [] for name in ARMS}
+            tokens: dict[str, list[list[int]]] = {}
+            for r in range(args.rounds):
+                for name, llm in llms.items():
+                    t, tokens[name] = decode_steps(llm, prompts[:batch], args.steps, f"b{batch}-r{r}")
+                    if not t:
+                        raise RuntimeError(f"{name}: no decode-only step ran at batch {batch}")
+                    times[name].append(statistics.median(t))
+                    advance()
+            same = sum(a == b for a, b in zip(tokens["fp32 KV"], tokens["int8 KV"], strict=True))
+            data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
+                                      "round_step_s": times, "int8_sequences_equal_fp32": same}
+    write_json("kv_decode.json", data)
+    headers = ["batch", "KV read per step, fp32 / int8", "fp32 KV ms/step", "int8 KV ms/step", "int8 tok/s",
+               "int8 ÷ fp32 speed", "int8 greedy = fp32"]
+    rows = []
+    for batch, r in data["batches"].items():
+        m = r["median_step_s"]
+        kv_tokens = batch * (args.context + args.steps / 2)
+        read = " / ".join(f"{kv_tokens * row_bytes[n] / 2**20:.0f} MiB" for n in ARMS)
+        rows.append((batch, read, f"{m['fp32 KV'] * 1e3:.1f}", f"{m['int8 KV'] * 1e3:.1f}",
+                     f"{batch / m['int8 KV']:.0f}", f"{m['fp32 KV'] / m['int8 KV']:.2f}×",
+                     f"{r['int8_sequences_equal_fp32']}/{batch}"))
+    publish_table(
+        "kv_decode", "Decode steps with an int8 KV cache (SmolLM2-135M, fp32 weights, CPU)", data,
+        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, both caches in one process with "
+        f"cpu_prepack_weights (decode-only steps through decode_layers), alternating {args.rounds} rounds; the "
+        "median of each round's decode-only steps at the full batch, then the median over rounds. KV bytes per "
+        f"token: {row_bytes['fp32 KV']} fp32, {row_bytes['int8 KV']} int8 (values plus one fp16 scale per row "
+        "and KV head). Perplexity of the int8 cache is in the quantization table above.",
+        f"ms per decode step, context {args.context}", headers, rows)
+
+
+if __name__ == "__main__":
+    main()
