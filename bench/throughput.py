@@ -443,11 +443,13 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
     packed = " (cpu_prepack_weights)" if eng.get("prepacked_bytes") else ""
     rows = [(f"infinilm-stream engine{packed}", eng["output_tokens"], f"{eng['wall_s']:.2f}", f"{eng['tok_s']:.1f}",
              "1.00×", "—")]
-    d = r.get("engine_default")
-    if d is not None:
-        same = f"{d['agreement']['identical_requests']}/{n} same, {100 * d['agreement']['common_prefix_share']:.0f}% prefix"
-        rows.append(("infinilm-stream engine, defaults (no packed copies)", d["output_tokens"], f"{d['wall_s']:.2f}",
-                     f"{d['tok_s']:.1f}", f"{ratio(eng, d):.2f}×", same))
+    for key, label in (("engine_default", "infinilm-stream engine, defaults (no packed copies)"),
+                       ("engine_int8_kv", f"infinilm-stream engine{packed}, int8 KV cache (cache_bits 8)")):
+        d = r.get(key)
+        if d is not None:
+            same = f"{d['agreement']['identical_requests']}/{n} same, {100 * d['agreement']['common_prefix_share']:.0f}% prefix"
+            rows.append((label, d["output_tokens"], f"{d['wall_s']:.2f}", f"{d['tok_s']:.1f}", f"{ratio(eng, d):.2f}×",
+                         same))
     for key, label in (("hf_static", f"HF generate, static batches of {r['settings']['hf_batch_size']}"),
                        ("hf_continuous", f"HF continuous batching ({r['settings']['hf_cb_attn']})")):
         p = r.get(key)
@@ -528,7 +530,9 @@ def write_docs(r: dict, tables) -> None:
         "all submitted at once; every system runs in one process with the same threads, after a warm-up. "
         "The engine's figures, ratios and roofline shares are for its `cpu_prepack_weights` option (a second, "
         "packed copy of the linear weights, read by batches of up to 256 rows: by the panel kernel on AVX-512 CPUs, "
-        "else by oneDNN); the row after it is the same workload on the engine's defaults, without the copy. "
+        "else by oneDNN); the rows after it are the same workload on the engine's defaults, without the copy, and "
+        "with the copy over an int8 KV cache (`cache_bits: 8`, rows quantized per token and KV head: not fp32, so "
+        "not the figure the ratios and roofline shares use). "
         "HF static batches are left-padded, run to the batch's longest request and count only each request's "
         "requested tokens; `min_new_tokens = max_new_tokens` stops EOS from ending a row (it masks EOS, where the "
         "engine's `ignore_eos` only ignores it). HF continuous batching gets `eos_token_id=-1` per request, which "
@@ -631,16 +635,19 @@ def main() -> None:
     del llm
     gc.collect()
     if not args.no_prepack:
-        # The same workload on the engine's defaults (no packed weight copies), in the same process.
-        llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
-                  num_threads=args.threads, kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc))
-        llm.generate([text_ids[:16], text_ids[16:40]], [greedy(8), greedy(4)])
-        default = run_engine(llm, w)
-        r["engine_default"] = {"output_tokens": sum(map(len, default.outputs)), "wall_s": default.wall_s,
-                               "tok_s": sum(map(len, default.outputs)) / default.wall_s,
-                               "agreement": agreement(run.outputs, default.outputs)}
-        del llm
-        gc.collect()
+        budget = kv_tokens * roofline.kv_bytes_per_token(mc)
+        # The same workload, in the same process, on the engine's defaults (no packed weight copies),
+        # and with the packed copies over an int8 KV cache (a quarter of the KV bytes to read per step).
+        for key, options in (("engine_default", {}), ("engine_int8_kv", {"cpu_prepack_weights": True, "cache_bits": 8})):
+            llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+                      num_threads=args.threads, kv_cache_memory_bytes=budget, **options)
+            llm.generate([text_ids[:16], text_ids[16:40]], [greedy(8), greedy(4)])
+            other = run_engine(llm, w)
+            r[key] = {"output_tokens": sum(map(len, other.outputs)), "wall_s": other.wall_s,
+                      "tok_s": sum(map(len, other.outputs)) / other.wall_s,
+                      "agreement": agreement(run.outputs, other.outputs)}
+            del llm
+            gc.collect()
     # The roof again after the runs: a machine that was slow at the start must not lower it.
     with progress_bar("measuring GEMM and memory rates again", len(roofline.GEMM_SHAPES) + 1) as advance:
         again = roofline.measure_machine(s.machine_repeats, advance).to_dict()
