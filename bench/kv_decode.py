@@ -10,13 +10,18 @@ At batch 48 with a few hundred tokens of context, a decode step reads more KV ca
 full batch are timed by the engine itself (prefill excluded: the prompts are distinct passages of
 /usr/share/common-licenses/GPL-3, prefilled in the first round and served by the prefix cache
 after it). Medians of the rounds are compared. The last column is how many of the int8 engine's
-greedy sequences equal the fp32 engine's, token for token. Writes bench/results/kv_decode.json
-and its section of docs/BENCHMARKS.md.
+greedy sequences equal the fp32 engine's, token for token.
+
+Then the whole workload of bench.throughput (64 requests, prompts of 32-512 tokens, 32-256 output
+tokens) on each cache, alternating `--workload-rounds` times, with the wall time split into steps
+that prefill and decode-only steps at and below batch 32. Writes bench/results/kv_decode.json and
+its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -26,10 +31,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench.report import publish_table, run_info, write_json
-from bench.throughput import greedy, progress_bar
+from bench import roofline
+from bench.report import markdown_table, print_table, publish_table, run_info, write_json
+from bench.throughput import Settings, build_workload, greedy, progress_bar, run_engine
 from engine import LLM
 from engine.kv_cache import bytes_per_block
+from engine.model_registry import resolve_model
+from engine.models.config import ModelConfig
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 ARMS = {"fp32 KV": 16, "int8 KV": 8}  # name -> cache_bits
@@ -69,10 +77,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=24, help="output tokens per sequence and round")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two caches (medians compared)")
+    ap.add_argument("--workload-rounds", type=int, default=2,
+                    help="alternations of the two caches on bench.throughput's workload (0: skip it)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
-    if min(args.batches) < 1 or max(args.batches) > 256 or args.context < 1 or args.steps < 2 or args.rounds < 1:
-        raise SystemExit("--batches must be 1-256, --context >= 1, --steps >= 2 and --rounds >= 1")
+    if (min(args.batches) < 1 or max(args.batches) > 256 or args.context < 1 or args.steps < 2 or args.rounds < 1
+            or args.workload_rounds < 0):
+        raise SystemExit("--batches must be 1-256, --context >= 1, --steps >= 2, --rounds >= 1 and "
+                         "--workload-rounds >= 0")
     torch.set_num_threads(args.threads)
     biggest = max(args.batches)
     block_size = 16
@@ -102,6 +114,10 @@ def main() -> None:
             same = sum(a == b for a, b in zip(tokens["fp32 KV"], tokens["int8 KV"], strict=True))
             data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
                                       "round_step_s": times, "int8_sequences_equal_fp32": same}
+    del llms
+    gc.collect()
+    if args.workload_rounds:
+        data["workload"] = whole_workload(args.workload_rounds)
     write_json("kv_decode.json", data)
     headers = ["batch", "KV read per step, fp32 / int8", "fp32 KV ms/step", "int8 KV ms/step", "int8 tok/s",
                "int8 ÷ fp32 speed", "int8 greedy = fp32"]
@@ -120,7 +136,56 @@ def main() -> None:
         "median of each round's decode-only steps at the full batch, then the median over rounds. KV bytes per "
         f"token: {row_bytes['fp32 KV']} fp32, {row_bytes['int8 KV']} int8 (values plus one fp16 scale per row "
         "and KV head). Perplexity of the int8 cache is in the quantization table above.",
-        f"ms per decode step, context {args.context}", headers, rows)
+        f"ms per decode step, context {args.context}", headers, rows, extra=workload_table(data.get("workload")))
+
+
+def whole_workload(rounds: int) -> dict:
+    """bench.throughput's workload on each cache, alternating; per round the wall time and its split."""
+    s = Settings()
+    mc = None
+    out: dict = {name: {"wall_s": [], "prefill_steps_s": [], "decode_ge32_s": [], "decode_lt32_s": []}
+                 for name in ARMS}
+    tokens: dict[str, list[list[int]]] = {}
+    with progress_bar("whole workload", rounds * len(ARMS)) as advance:
+        for _ in range(rounds):
+            for name, bits in ARMS.items():
+                path = resolve_model("smollm2")
+                mc = mc or ModelConfig.from_folder(path)
+                kv_tokens = s.num_requests * (s.prompt_lens[1] + s.output_lens[1] + 16)
+                llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+                          cpu_prepack_weights=True, cache_bits=bits,
+                          kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc))
+                ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+                llm.generate([ids[:16], ids[16:40]], [greedy(8), greedy(4)])
+                run = run_engine(llm, build_workload(ids, s, 0), tag=f"w-{name}")
+                r = out[name]
+                r["wall_s"].append(run.wall_s)
+                r["prefill_steps_s"].append(sum(t for t, p, _, _ in run.steps if p))
+                r["decode_ge32_s"].append(sum(t for t, p, d, _ in run.steps if not p and d >= s.decode_min_batch))
+                r["decode_lt32_s"].append(sum(t for t, p, d, _ in run.steps if not p and d < s.decode_min_batch))
+                r["output_tokens"] = sum(map(len, run.outputs))
+                tokens[name] = run.outputs
+                del llm
+                gc.collect()
+                advance()
+    out["int8_requests_equal_fp32"] = sum(a == b for a, b in zip(tokens["fp32 KV"], tokens["int8 KV"], strict=True))
+    out["num_requests"] = s.num_requests
+    return out
+
+
+def workload_table(w: dict | None) -> str:
+    if not w:
+        return ""
+    med = {name: {k: statistics.median(v) for k, v in w[name].items() if isinstance(v, list)} for name in ARMS}
+    rows = [(name, f"{m['wall_s']:.1f}", f"{w[name]['output_tokens'] / m['wall_s']:.1f}",
+             f"{med['fp32 KV']['wall_s'] / m['wall_s']:.2f}×", f"{m['prefill_steps_s']:.1f}",
+             f"{m['decode_ge32_s']:.1f}", f"{m['decode_lt32_s']:.1f}") for name, m in med.items()]
+    headers = ["cache", "wall s", "output tok/s", "speed ÷ fp32 KV", "steps with prefill s", "decode-only ≥ 32 s",
+               "decode-only < 32 s"]
+    title = (f"bench.throughput's workload, medians of {len(w['fp32 KV']['wall_s'])} alternating runs "
+             f"(int8 greedy tokens equal fp32's for {w['int8_requests_equal_fp32']}/{w['num_requests']} requests)")
+    print_table(title, headers, rows)
+    return markdown_table(title, headers, rows)
 
 
 if __name__ == "__main__":

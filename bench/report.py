@@ -70,10 +70,11 @@ def update_docs_section(key: str, body: str, docs: Path = DOCS) -> None:
 
 
 def publish_table(key: str, heading: str, data: dict, how: str, title: str, headers: list[str],
-                  rows: list[tuple]) -> None:
+                  rows: list[tuple], extra: str = "") -> None:
     """Print a one-table result and write it as the `key` section of docs/BENCHMARKS.md.
 
-    `data` holds the run's "date", "load", "threads" and "command"; `how` says what was measured.
+    `data` holds the run's "date", "load", "threads" and "command"; `how` says what was measured;
+    `extra`, already printed by the caller, is markdown appended to the section.
     """
     print_table(title, headers, rows)
     update_docs_section(key, "\n\n".join([
@@ -81,4 +82,5 @@ def publish_table(key: str, heading: str, data: dict, how: str, title: str, head
         f"Measured {data['date']} (load average {data['load']:.1f}, {data['threads']} threads) with "
         f"`{data['command']}`: {how}",
         markdown_table(title, headers, rows),
+        *([extra] if extra else []),
     ]))
