@@ -20,6 +20,17 @@ def test_greedy_is_argmax():
     assert res.token_ids == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_in_greedy_and_mixed_batches():
+    logits = logits_rows(3)
+    logits[:, [7, 3, 30]] = 100.0  # a three-way tie at the top of every row: index 3 comes first
+    greedy = SamplingParams(temperature=0)
+    assert sample(logits.clone(), [greedy] * 3, [None] * 3).token_ids == [3, 3, 3]
+    mixed = [greedy, SamplingParams(temperature=1.0, seed=1), greedy]
+    res = sample(logits.clone(), mixed, [None, torch.Generator().manual_seed(1), None])
+    assert res.token_ids[0] == res.token_ids[2] == 3
+    assert res.token_ids[1] in (3, 7, 30)
+
+
 def test_top_k_one_and_tiny_top_p_reduce_to_greedy():
     logits = logits_rows(3)
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6),
