@@ -154,6 +154,10 @@ class Linear(nn.Linear):
     # Set by prepack_linears; deliberately not a parameter or buffer, so state dicts stay plain.
     packed: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # as Embedding.reset_parameters (engine/models/llama.py)
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.bias, out, self.packed)
 

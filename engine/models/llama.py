@@ -55,6 +55,12 @@ class RMSNorm(nn.Module):
 class Embedding(nn.Embedding):
     packed_head: torch.Tensor | None = None  # the weight packed for the LM head (prepack_linears)
 
+    def reset_parameters(self) -> None:
+        # A meta weight has no values to initialize; torch's meta path for normal_ would import
+        # torch._dynamo (and with it Triton) for nothing. The loader assigns the real weights.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits over the vocabulary from hidden states."""
         return linear(hidden, self.weight, packed=self.packed_head)

@@ -38,6 +38,13 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        if torch.device(device).type == "meta":
+            # A placeholder in a model built on meta (loader.empty_model builds the real tables);
+            # computing on meta would run torch's Python decompositions, which import torch._dynamo.
+            for name in ("cos", "sin"):
+                self.register_buffer(name, torch.empty(max_positions, head_dim, dtype=dtype, device=device),
+                                     persistent=False)
+            return
         inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
         t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
         freqs = torch.outer(t, inv_freq)
