@@ -199,7 +199,11 @@ alignas(64) static const float kZeroRow[256] = {};
 struct Fp32Rows {
   const float* base[2];
   int64_t blk_stride, tok_stride, head_stride, block_bytes;
-  void prefetch(int side, int64_t blk, int hint_l2) const { prefetch_bytes(base[side] + blk * blk_stride, block_bytes, hint_l2); }
+  // Lines [part, part + 1) / parts of block blk's span.
+  void prefetch(int side, int64_t blk, int64_t part, int64_t parts, int hint_l2) const {
+    const int64_t lines = block_bytes / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+    prefetch_bytes(reinterpret_cast<const char*>(base[side] + blk * blk_stride) + lo * 64, (hi - lo) * 64, hint_l2);
+  }
   // rows[j] = row j0 + j of block blk, KV head kh, for j < m; scratch is unused.
   void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float*, const float** out) const {
     const float* r = base[side] + blk * blk_stride + j0 * tok_stride + kh * head_stride;
@@ -210,7 +214,10 @@ struct Fp32Rows {
 // One sequence, all heads (D = 16 * NV). Pass 1 reads K block by block, contiguously, with the next
 // block prefetched into L1 and this block's V into L2, and writes every head's scores, sixteen
 // tokens per reduction; exact softmax per head; pass 2 reads V the same way, the next block
-// prefetched into L1. Scratch: 2 * BS * D
+// prefetched into L1. Prefetches are issued a KV head's share at a time, between the computations,
+// which ran faster than a whole block's worth at once in an ad hoc A/B (fp32, batch 48, 512-token
+// contexts); the likely reason is that a burst of misses fills the core's line-fill buffers and
+// stalls the computation until the lines arrive. Scratch: 2 * BS * D
 // floats for Rows that dequantize, BS + 16 row pointers. Its effect, with the panel GEMM kernel's,
 // is in bench.throughput's figures.
 template <int NV, typename Rows>
@@ -221,12 +228,14 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
   const int64_t G = H / KVH, nblk = (L + BS - 1) / BS;
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < nblk; ++i) {
-    if (i + 1 < nblk) src.prefetch(0, table[i + 1], 0);
-    src.prefetch(1, table[i], 1);
     const int64_t n = std::min(BS, L - i * BS);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t kh = 0; kh < KVH; ++kh) {
+        if (j0 == 0) {  // a share of the next K block into L1 and of this V block into L2, per KV head
+          if (i + 1 < nblk) src.prefetch(0, table[i + 1], kh, KVH, 0);
+          src.prefetch(1, table[i], kh, KVH, 1);
+        }
         const float* rows[16];
         src.rows(0, table[i], j0, m, kh, scratch, rows);
         for (int64_t jj = m; jj < 16; ++jj) rows[jj] = kZeroRow;
@@ -257,8 +266,8 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_setzero_ps());
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
-    if (i + 1 < nblk) src.prefetch(1, table[i + 1], 0);
     for (int64_t kh = 0; kh < KVH; ++kh) {
+      if (i + 1 < nblk) src.prefetch(1, table[i + 1], kh, KVH, 0);
       src.rows(1, table[i], 0, n, kh, scratch, ptrs);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
