@@ -142,16 +142,15 @@ def main() -> None:
 def whole_workload(rounds: int) -> dict:
     """bench.throughput's workload on each cache, alternating; per round the wall time and its split."""
     s = Settings()
-    mc = None
+    path = resolve_model("smollm2")
+    mc = ModelConfig.from_folder(path)
+    kv_tokens = s.num_requests * (s.prompt_lens[1] + s.output_lens[1] + 16)
     out: dict = {name: {"wall_s": [], "prefill_steps_s": [], "decode_ge32_s": [], "decode_lt32_s": []}
                  for name in ARMS}
     tokens: dict[str, list[list[int]]] = {}
     with progress_bar("whole workload", rounds * len(ARMS)) as advance:
         for _ in range(rounds):
             for name, bits in ARMS.items():
-                path = resolve_model("smollm2")
-                mc = mc or ModelConfig.from_folder(path)
-                kv_tokens = s.num_requests * (s.prompt_lens[1] + s.output_lens[1] + 16)
                 llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
                           cpu_prepack_weights=True, cache_bits=bits,
                           kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc))

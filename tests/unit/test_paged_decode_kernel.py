@@ -32,17 +32,23 @@ def reference(q, kv, tables, lens, scale):
     return out
 
 
+def batch(g, heads, head_dim, block_size, spare_blocks=5):
+    """Sequence lengths around block edges, scattered block tables over a pool with spare blocks, and q."""
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 7], dtype=torch.int64)
+    max_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * max_blocks + spare_blocks
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    return lens, num_blocks, tables, q
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 2, 32),
                                                              (4, 1, 48)])
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_matches_the_reference(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
-    lens = torch.tensor([1, 15, 16, 17, 33, 100, 7], dtype=torch.int64)
-    max_blocks = -(-int(lens.max()) // block_size)
-    num_blocks = len(lens) * max_blocks + 5
+    lens, num_blocks, tables, q = batch(g, heads, head_dim, block_size)
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
-    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
-    q = torch.randn(len(lens), heads, head_dim, generator=g)
     scale = head_dim ** -0.5
     got = load_kernels().paged_decode_attention(q, kv, tables, lens, scale)
     torch.testing.assert_close(got, reference(q, kv, tables, lens, scale), rtol=1e-5, atol=1e-5)
@@ -82,12 +88,8 @@ def int8_cache(g, num_blocks, block_size, kv_heads, head_dim):
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_int8_cache_matches_the_reference_on_its_dequantized_rows(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 10 + head_dim + block_size)
-    lens = torch.tensor([1, 15, 16, 17, 33, 100, 7], dtype=torch.int64)
-    max_blocks = -(-int(lens.max()) // block_size)
-    num_blocks = len(lens) * max_blocks + 3
+    lens, num_blocks, tables, q = batch(g, heads, head_dim, block_size, spare_blocks=3)
     codes, scales, dequantized = int8_cache(g, num_blocks, block_size, kv_heads, head_dim)
-    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * max_blocks].view(len(lens), max_blocks)
-    q = torch.randn(len(lens), heads, head_dim, generator=g)
     scale = head_dim ** -0.5
     got = load_kernels().paged_decode_attention_int8(q, codes, scales, tables, lens, scale, None, None, None)
     torch.testing.assert_close(got, reference(q, dequantized, tables, lens, scale), rtol=1e-5, atol=1e-5)

@@ -217,9 +217,9 @@ struct Fp32Rows {
 // prefetched into L1. Prefetches are issued a KV head's share at a time, between the computations,
 // which ran faster than a whole block's worth at once in an ad hoc A/B (fp32, batch 48, 512-token
 // contexts); the likely reason is that a burst of misses fills the core's line-fill buffers and
-// stalls the computation until the lines arrive. Scratch: 2 * BS * D
-// floats for Rows that dequantize, BS + 16 row pointers. Its effect, with the panel GEMM kernel's,
-// is in bench.throughput's figures.
+// stalls the computation until the lines arrive. Scratch: BS * D floats (used by Rows that
+// dequantize), BS + 16 row pointers. Its effect, with the panel GEMM kernel's, is in
+// bench.throughput's figures.
 template <int NV, typename Rows>
 static void decode_seq_512(const float* q, float* out, const Rows& src, const int64_t* table, int64_t L, int64_t BS,
                            int64_t H, int64_t KVH, float scale, float* scores, int64_t Ls, float* scratch,
@@ -300,7 +300,7 @@ template <typename Rows>
 static void decode_batch_avx512(float* op, const float* qp, const Rows& src, const int64_t* bt, const int64_t* sl,
                                 int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t BS, int64_t MB, float sc) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, scratch(2 * BS * D);
+    std::vector<float> scores, scratch(BS * D);
     std::vector<const float*> ptrs(BS + 16);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = sl[b];
