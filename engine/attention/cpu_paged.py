@@ -4,8 +4,11 @@ The batched torch path gathers every sequence's K/V into a padded copy before
 SDPA, which doubles the memory traffic of decode, the phase where attention
 costs most. This backend compiles a small C++ kernel (torch's cpp_extension,
 vectorised with ATen's Vectorized<float>) that walks each sequence's block
-table instead. Prefill is unchanged. When no compiler is available the engine
-falls back to the torch backend.
+table instead. Causal prefill chunks over an fp32 cache run the extension's
+prefill kernel (prefill_attention_cpu.cpp), which also reads K/V in place, so a
+chunk after cached rows needs no gather and no dense mask; other mask policies
+and dtypes take the torch path. When no compiler is available the engine falls
+back to the torch backend.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
 
 log = logging.getLogger(__name__)
@@ -28,6 +31,7 @@ _ENGINE = Path(__file__).resolve().parents[1]
 _SOURCES = (
     _ENGINE / "attention" / "csrc" / "paged_attention_cpu.cpp",
     _ENGINE / "attention" / "csrc" / "paged_attention_int8_cpu.cpp",
+    _ENGINE / "attention" / "csrc" / "prefill_attention_cpu.cpp",
     _ENGINE / "quant" / "csrc" / "quant_linear_cpu.cpp",
     _ENGINE / "models" / "csrc" / "fused_cpu.cpp",
     _ENGINE / "models" / "csrc" / "panel_gemm.cpp",
@@ -35,7 +39,8 @@ _SOURCES = (
 )
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_",
-              "panel_gemm_available", "pack_panels", "panel_linear", "decode_layers"]
+              "panel_gemm_available", "pack_panels", "panel_linear", "decode_layers",
+              "paged_prefill_attention"]
 
 
 def _cpu_flags() -> str:
@@ -95,3 +100,12 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self._ops.paged_decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                                 self.scale)
+
+    def _prefill(self, q, k, v, kv_cache, span: PrefillSpan) -> torch.Tensor:
+        if (span.mask.is_causal and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and kv_cache.dim() == 5 and kv_cache.stride(3) == self.head_dim and kv_cache.stride(4) == 1
+                and q.stride(2) == 1 and q.stride(1) == self.head_dim):
+            out = torch.empty(q.shape, dtype=q.dtype)
+            self._ops.paged_prefill_attention(out, q, kv_cache, span.block_table, span.num_cached, self.scale)
+            return out
+        return super()._prefill(q, k, v, kv_cache, span)

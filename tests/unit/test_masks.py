@@ -47,8 +47,16 @@ def test_mask_shapes_by_hand():
 CASES = [(name, 0) for name in POLICIES] + [(name, 4) for name in POLICIES if name != "prefix_bidirectional"]
 
 
+def backends():
+    """The torch backend, and the CPU one (its own kernel for causal chunks) where the extension builds."""
+    from engine.attention.cpu_paged import CpuPagedAttentionBackend, kernels_available
+
+    return [TorchAttentionBackend] + ([CpuPagedAttentionBackend] if kernels_available() else [])
+
+
+@pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.name)
 @pytest.mark.parametrize(("name", "num_cached"), CASES)
-def test_paged_prefill_matches_dense_attention(name, num_cached):
+def test_paged_prefill_matches_dense_attention(name, num_cached, backend_cls):
     torch.manual_seed(0)
     spec = POLICIES[name]
     total = 18
@@ -56,7 +64,7 @@ def test_paged_prefill_matches_dense_attention(name, num_cached):
     num_blocks = 16
     kv_cache = torch.zeros(2, num_blocks, BS, KVH, D)
     table = torch.tensor([7, 2, 9, 0, 5])  # scattered on purpose
-    backend = TorchAttentionBackend(H, KVH, D)
+    backend = backend_cls(H, KVH, D)
     slots = lambda rows: table[rows // BS] * BS + rows % BS  # noqa: E731
     out = torch.empty(total, H * D)
     if num_cached:
