@@ -368,8 +368,9 @@ def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
     kernels = {}
     if kernels_available():
         ops = load_kernels()
-        kernels = {f"ext::{n}": (ops, n) for n in ("paged_decode_attention", "skinny_linear", "panel_linear",
-                                                   "rms_norm_rows", "add_rms_norm_rows", "rope_rows_")}
+        kernels = {f"ext::{n}": (ops, n) for n in ("paged_decode_attention", "paged_prefill_attention",
+                                                   "skinny_linear", "panel_linear", "rms_norm_rows",
+                                                   "add_rms_norm_rows", "rope_rows_", "decode_layers")}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in {**targets, **kernels}.items()}
     for name, (obj, attr) in targets.items():
         setattr(obj, attr, timed(name, originals[name]))

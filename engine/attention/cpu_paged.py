@@ -40,7 +40,7 @@ _SOURCES = (
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_",
               "panel_gemm_available", "pack_panels", "panel_linear", "decode_layers",
-              "paged_prefill_attention"]
+              "paged_prefill_attention", "paged_prefill_attention_int8"]
 
 
 def _cpu_flags() -> str:
@@ -102,10 +102,14 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                                                 self.scale)
 
     def _prefill(self, q, k, v, kv_cache, span: PrefillSpan) -> torch.Tensor:
-        if (span.mask.is_causal and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
-                and kv_cache.dim() == 5 and kv_cache.stride(3) == self.head_dim and kv_cache.stride(4) == 1
-                and q.stride(2) == 1 and q.stride(1) == self.head_dim):
+        if prefill_kernel_applies(q, span, self.head_dim) and kv_cache.dtype == torch.float32:
             out = torch.empty(q.shape, dtype=q.dtype)
             self._ops.paged_prefill_attention(out, q, kv_cache, span.block_table, span.num_cached, self.scale)
             return out
         return super()._prefill(q, k, v, kv_cache, span)
+
+
+def prefill_kernel_applies(q: torch.Tensor, span: PrefillSpan, head_dim: int) -> bool:
+    """The C++ prefill kernels take causal chunks of fp32 queries whose heads are dense (rows may be strided)."""
+    return (span.mask.is_causal and q.dtype == torch.float32 and q.device.type == "cpu"
+            and q.stride(2) == 1 and q.stride(1) == head_dim)

@@ -1,5 +1,5 @@
 """Attention over the int8 KV cache (engine.attention.kv_int8): a torch reference that runs on any
-device, and the CPU variant whose decode runs the C++ int8 kernel.
+device, and the CPU variant whose decode, and causal prefill without a window, run C++ kernels.
 
 Writes quantize each new row (and copy the last W rows of each sequence into its ring). Reads
 dequantize what the pool stores. Without a window, prefill is SDPA over the dequantized rows;
@@ -116,6 +116,18 @@ class CpuPagedInt8AttentionBackend(TorchInt8AttentionBackend):
         from engine.attention.cpu_paged import load_kernels
 
         self._ops = load_kernels()
+
+    def _prefill_int8(self, q, k, v, kv_cache: Int8KVCache, span: PrefillSpan, win: KVWindowMetadata | None,
+                      index: int, recent) -> torch.Tensor:
+        """Causal chunks without a full-precision window run the C++ kernel on the int8 rows in place."""
+        from engine.attention.cpu_paged import prefill_kernel_applies
+
+        if win is None and prefill_kernel_applies(q, span, self.head_dim):
+            out = torch.empty(q.shape, dtype=q.dtype)
+            self._ops.paged_prefill_attention_int8(out, q, kv_cache.values, kv_cache.scales, span.block_table,
+                                                   span.num_cached, self.scale)
+            return out
+        return super()._prefill_int8(q, k, v, kv_cache, span, win, index, recent)
 
     def _decode(self, q: torch.Tensor, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
         win = meta.kv_window

@@ -1,6 +1,7 @@
-"""The CPU causal prefill-attention kernel (engine/attention/csrc/prefill_attention_cpu.cpp).
+"""The CPU causal prefill-attention kernels (engine/attention/csrc/prefill_attention_cpu.cpp).
 
-Against a float64 reference over K/V gathered through the block table, for head sizes with and
+The fp32 and the int8 cache's variant, against a float64 reference over K/V (for int8: the
+dequantized rows) gathered through the block table, for head sizes with and
 without a compiled-in head_dim, GQA groups, chunks after cached rows, block sizes below, at and
 above the kernel's 16 (or 8) query rows per tile, and scattered blocks. Also: a row's output does
 not depend on the chunk it was computed in, q may be a strided view (the fused qkv output), and
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from engine.attention.cpu_paged import CpuPagedAttentionBackend, kernels_available, load_kernels
+from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt8AttentionBackend
+from engine.attention.kv_int8 import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -95,24 +98,31 @@ def test_bad_arguments_are_errors():
         ops.paged_prefill_attention(torch.empty(64, 4, 64)[::2], q, kv, table, 0, 0.125)
 
 
+def spy_on(backend, kernel: str, monkeypatch) -> list[int]:
+    """Record the num_cached argument of every call the backend makes to `kernel`."""
+    calls, real = [], backend._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    def call(*args):
+        calls.append(args[-2])
+        return getattr(real, kernel)(*args)
+
+    spy = Spy()
+    setattr(spy, kernel, call)
+    monkeypatch.setattr(backend, "_ops", spy)
+    return calls
+
+
 def test_backend_takes_the_kernel_for_causal_fp32_chunks_only(monkeypatch):
     """Causal fp32 chunks call the kernel and match the torch backend; bf16 and other masks do not call it."""
     g = torch.Generator().manual_seed(6)
     kv, table = cache(g, 48, 2, 64, 16)
     q, k, v = (torch.randn(20, n, 64, generator=g) for n in (4, 2, 2))
     backend = CpuPagedAttentionBackend(4, 2, 64)
-    calls = []
-    real = backend._ops
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def paged_prefill_attention(self, *args):
-            calls.append(args[4])
-            return real.paged_prefill_attention(*args)
-
-    monkeypatch.setattr(backend, "_ops", Spy())
+    calls = spy_on(backend, "paged_prefill_attention", monkeypatch)
     slots = table[torch.arange(28, 48) // 16] * 16 + torch.arange(28, 48) % 16
     meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSpan(0, 20, 28, table)])
     got = backend.forward(q, k, v, kv.clone(), meta)
@@ -124,3 +134,56 @@ def test_backend_takes_the_kernel_for_causal_fp32_chunks_only(monkeypatch):
     bidirectional = PrefillSpan(0, 20, 28, table, MaskSpec("chunk_bidirectional", start=30, end=40))
     backend.forward(q, k, v, kv.clone(), AttentionMetadata(slot_mapping=slots, prefills=[bidirectional]))
     assert calls == [28]
+
+
+def int8_pool(g, kv):
+    """Random int8 codes and fp16 scales shaped like the fp32 pool kv, and their dequantized rows."""
+    codes = torch.randint(-127, 128, kv.shape, generator=g, dtype=torch.int8)
+    scales = (torch.rand(kv.shape[:4], generator=g) * 0.02 + 1e-3).to(torch.float16)
+    return codes, scales, codes.float() * scales.float().unsqueeze(-1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 32)])
+@pytest.mark.parametrize(("tokens", "num_cached"), [(1, 0), (17, 0), (100, 0), (23, 9), (64, 130)])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_int8_matches_the_reference_on_its_dequantized_rows(heads, kv_heads, head_dim, tokens, num_cached,
+                                                            block_size):
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim * 10 + tokens + num_cached + block_size)
+    kv, table = cache(g, num_cached + tokens, kv_heads, head_dim, block_size)
+    codes, scales, dequantized = int8_pool(g, kv)
+    q = torch.randn(tokens, heads, head_dim, generator=g)
+    out = torch.empty(q.shape)
+    load_kernels().paged_prefill_attention_int8(out, q, codes, scales, table, num_cached, head_dim ** -0.5)
+    torch.testing.assert_close(out, reference(q, dequantized, table, num_cached, head_dim ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+    # The same dequantized values through the fp32 kernel: the same bits.
+    assert torch.equal(out, run(q, dequantized, table, num_cached, head_dim ** -0.5))
+
+
+def test_int8_bad_arguments_are_errors():
+    g = torch.Generator().manual_seed(8)
+    kv, table = cache(g, 32, 2, 64, 16)
+    codes, scales, _ = int8_pool(g, kv)
+    q = torch.randn(32, 4, 64, generator=g)
+    ops = load_kernels()
+    with pytest.raises(RuntimeError, match="int8 codes and fp16 scales"):
+        ops.paged_prefill_attention_int8(torch.empty(q.shape), q, codes, scales.float(), table, 0, 0.125)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.paged_prefill_attention_int8(torch.empty(q.shape), q, codes, scales[:, :1], table, 0, 0.125)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_prefill_attention_int8(torch.empty(q.shape), q, codes, scales, table + 100, 0, 0.125)
+
+
+def test_int8_backend_uses_the_kernel_without_a_window_and_matches_the_reference(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    kv, table = cache(g, 48, 2, 64, 16)
+    q, k, v = (torch.randn(20, n, 64, generator=g) for n in (4, 2, 2))
+    slots = table[torch.arange(28, 48) // 16] * 16 + torch.arange(28, 48) % 16
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSpan(0, 20, 28, table)])
+    codes, scales, _ = int8_pool(g, kv)
+    fast = CpuPagedInt8AttentionBackend(4, 2, 64)
+    calls = spy_on(fast, "paged_prefill_attention_int8", monkeypatch)
+    outs = [backend.forward(q, k, v, Int8KVCache(codes.clone(), scales.clone()), meta)
+            for backend in (fast, TorchInt8AttentionBackend(4, 2, 64))]
+    assert calls == [28]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -27,12 +27,33 @@ constexpr int64_t DU = R >= 16 ? 8 : 4;  // independent output rows per pass (re
 struct Args {
   const float* q;  // [T, H, D], row stride q_row
   float* out;      // [T, H, D] contiguous
-  const float* kbase;
+  const float* kbase;  // fp32 cache, or null for an int8 one
   const float* vbase;
   const int64_t* table;
   int64_t T, H, KVH, D, BS, q_row, blk_stride, tok_stride, num_cached;
   float scale;
+  // int8 cache (cache_bits 8): codes with the fp32 cache's strides, one fp16 scale per (row, KV head).
+  const int8_t* k8 = nullptr;
+  const int8_t* v8 = nullptr;
+  const at::Half* ks = nullptr;
+  const at::Half* vs = nullptr;
+  int64_t s_blk_stride = 0, s_tok_stride = 0;
 };
+
+// Row k of KV head kh into dst (D floats): copied, or dequantized as code * scale (exact in fp32,
+// the same values as kv_int8.dequantize_rows).
+static inline void load_row(const Args& a, int side, int64_t k, int64_t kh, int64_t D, float* dst) {
+  const int64_t blk = a.table[k / a.BS], row = k % a.BS;
+  const int64_t off = blk * a.blk_stride + row * a.tok_stride + kh * D;
+  if (a.kbase) {
+    const float* src = (side ? a.vbase : a.kbase) + off;
+    std::copy(src, src + D, dst);
+    return;
+  }
+  const int8_t* src = (side ? a.v8 : a.k8) + off;
+  const float sc = static_cast<float>((side ? a.vs : a.ks)[blk * a.s_blk_stride + row * a.s_tok_stride + kh]);
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * sc;
+}
 
 // One task: KV head kh, query rows [r0, r0 + R) of the chunk (rows past T computed, not stored).
 // DC is head_dim when known at compile time (64, 128: the offsets into the key chunk become
@@ -60,9 +81,8 @@ static void tile(const Args& a, int64_t kh, int64_t r0, float* qT, float* oT, fl
     for (int64_t j = 0; j < R; ++j) {
       const int64_t k = j0 + j;
       if (k < kv_hi) {
-        const int64_t off = a.table[k / a.BS] * a.blk_stride + (k % a.BS) * a.tok_stride + kh * D;
-        std::copy(a.kbase + off, a.kbase + off + D, kc + j * D);
-        std::copy(a.vbase + off, a.vbase + off + D, vc + j * D);
+        load_row(a, 0, k, kh, D, kc + j * D);
+        load_row(a, 1, k, kh, D, vc + j * D);
       } else {  // never seen (masked), but must be finite
         std::fill(kc + j * D, kc + (j + 1) * D, 0.f);
         std::fill(vc + j * D, vc + (j + 1) * D, 0.f);
@@ -135,41 +155,80 @@ static void tile(const Args& a, int64_t kh, int64_t r0, float* qT, float* oT, fl
 
 }  // namespace prefill_attn
 
-// out[T, H, D] (contiguous, written) = causal attention of q[T, H, D] (rows may be strided) for
-// rows num_cached .. num_cached + T - 1 of one sequence over its rows in the fp32 paged cache
-// kv[2, blocks, BS, KVH, D] through block_table.
-void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                             int64_t num_cached, double scale) {
+// Both entry points: checks common to the cache types, then tasks dealt out to the threads.
+static void check_prefill_args(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv,
+                               const torch::Tensor& block_table, int64_t num_cached) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv.dim() == 5 && block_table.dim() == 1,
               "paged_prefill_attention: q/out [T, H, D], kv [2, blocks, BS, KVH, D], block_table [n]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat &&
-                  kv.scalar_type() == torch::kFloat && block_table.scalar_type() == torch::kLong,
-              "paged_prefill_attention: fp32 q, out and cache, int64 block table");
+                  block_table.scalar_type() == torch::kLong,
+              "paged_prefill_attention: fp32 q and out, int64 block table");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = kv.size(2), KVH = kv.size(3);
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "paged_prefill_attention: out must be a contiguous [T, H, D]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "paged_prefill_attention: q's heads must be dense");
-  TORCH_CHECK(kv.size(4) == D && kv.stride(4) == 1 && kv.stride(3) == D, "paged_prefill_attention: cache rows must be dense");
+  TORCH_CHECK(kv.size(0) == 2 && kv.size(4) == D && kv.stride(4) == 1 && kv.stride(3) == D,
+              "paged_prefill_attention: cache rows must be dense [2, blocks, BS, KVH, D]");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "paged_prefill_attention: heads must be a multiple of KV heads");
   TORCH_CHECK(D > 0 && D <= 512, "paged_prefill_attention: head_dim must be in [1, 512]");
   TORCH_CHECK(num_cached >= 0 && block_table.is_contiguous() && block_table.numel() * BS >= num_cached + T,
               "paged_prefill_attention: the block table must cover num_cached + T rows");
-  if (T == 0) return;
-  const float* kbase = kv.data_ptr<float>();
-  const prefill_attn::Args a{q.data_ptr<float>(), out.data_ptr<float>(), kbase, kbase + kv.stride(0),
-                             block_table.data_ptr<int64_t>(), T, H, KVH, D, BS, q.stride(0), kv.stride(1),
-                             kv.stride(2), num_cached, static_cast<float>(scale)};
-  const int64_t R = prefill_attn::R, G = H / KVH;
-  const int64_t tiles = (T + R - 1) / R, tasks = tiles * KVH;
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t used = (num_cached + T + BS - 1) / BS;
+  for (int64_t i = 0; i < used; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < kv.size(1), "paged_prefill_attention: block id out of range");
+}
+
+static void run_prefill(const prefill_attn::Args& a) {
+  const int64_t R = prefill_attn::R, G = a.H / a.KVH, D = a.D;
+  const int64_t tiles = (a.T + R - 1) / R, tasks = tiles * a.KVH;
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   at::parallel_for(0, P, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qT(G * D * R), oT(G * D * R), pT(R * R), mv(G * R), lv(G * R), kc(R * D), vc(R * D);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i = t; i < tasks; i += P) {  // longest (last) tiles first, dealt round-robin
-        const int64_t r0 = (tiles - 1 - i / KVH) * R, kh = i % KVH;
+        const int64_t r0 = (tiles - 1 - i / a.KVH) * R, kh = i % a.KVH;
         float* s[] = {qT.data(), oT.data(), pT.data(), mv.data(), lv.data(), kc.data(), vc.data()};
         if (D == 64) prefill_attn::tile<64>(a, kh, r0, s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
         else if (D == 128) prefill_attn::tile<128>(a, kh, r0, s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
         else prefill_attn::tile<0>(a, kh, r0, s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
       }
   });
+}
+
+// out[T, H, D] (contiguous, written) = causal attention of q[T, H, D] (rows may be strided) for
+// rows num_cached .. num_cached + T - 1 of one sequence over its rows in the fp32 paged cache
+// kv[2, blocks, BS, KVH, D] through block_table.
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
+                             int64_t num_cached, double scale) {
+  check_prefill_args(out, q, kv, block_table, num_cached);
+  TORCH_CHECK(kv.scalar_type() == torch::kFloat, "paged_prefill_attention: fp32 cache (int8: paged_prefill_attention_int8)");
+  if (q.size(0) == 0) return;
+  const float* kbase = kv.data_ptr<float>();
+  run_prefill({q.data_ptr<float>(), out.data_ptr<float>(), kbase, kbase + kv.stride(0),
+               block_table.data_ptr<int64_t>(), q.size(0), q.size(1), kv.size(3), q.size(2), kv.size(2), q.stride(0),
+               kv.stride(1), kv.stride(2), num_cached, static_cast<float>(scale)});
+}
+
+// The same over an int8 cache: codes [2, blocks, BS, KVH, D], scales [2, blocks, BS, KVH] fp16.
+void paged_prefill_attention_int8(torch::Tensor out, torch::Tensor q, torch::Tensor values, torch::Tensor scales,
+                                  torch::Tensor block_table, int64_t num_cached, double scale) {
+  check_prefill_args(out, q, values, block_table, num_cached);
+  TORCH_CHECK(values.scalar_type() == torch::kChar && scales.scalar_type() == torch::kHalf,
+              "paged_prefill_attention_int8: int8 codes and fp16 scales");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == 2 && scales.size(1) == values.size(1) &&
+                  scales.size(2) == values.size(2) && scales.size(3) == values.size(3) && scales.stride(3) == 1,
+              "paged_prefill_attention_int8: scales must be [2, blocks, BS, KVH] with dense heads");
+  if (q.size(0) == 0) return;
+  prefill_attn::Args a{q.data_ptr<float>(), out.data_ptr<float>(), nullptr, nullptr, block_table.data_ptr<int64_t>(),
+                       q.size(0), q.size(1), values.size(3), q.size(2), values.size(2), q.stride(0),
+                       values.stride(1), values.stride(2), num_cached, static_cast<float>(scale)};
+  const int8_t* vb = values.data_ptr<int8_t>();
+  const at::Half* sb = scales.data_ptr<at::Half>();
+  a.k8 = vb;
+  a.v8 = vb + values.stride(0);
+  a.ks = sb;
+  a.vs = sb + scales.stride(0);
+  a.s_blk_stride = scales.stride(1);
+  a.s_tok_stride = scales.stride(2);
+  run_prefill(a);
 }
