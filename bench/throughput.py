@@ -419,6 +419,17 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
     dec_floor = sum(max(flops.decode_step(n, ctx) / peak, (weight_bytes + ctx * kv_token_bytes) / bandwidth)
                     for _, _, n, ctx in dec)
     floor_step = weight_bytes / bandwidth
+
+    def serial_step(n: int, ctx: int) -> float:
+        """A decode step whose GEMMs (at the peak, or reading the weights, if slower) and attention (at the
+        peak, or reading its KV, if slower) take turns, as the engine's layers run them: no overlap."""
+        gemm = max(n * (flops.linear_per_token + flops.lm_head_per_row) / peak, weight_bytes / bandwidth)
+        return gemm + max(flops.attention_per_context * ctx / peak, ctx * kv_token_bytes / bandwidth)
+
+    dec_serial = sum(serial_step(n, ctx) for _, _, n, ctx in dec)
+    # The whole workload under the same model: every decode-only step pays its memory time on top.
+    extra = sum(serial_step(n, ctx) - flops.decode_step(n, ctx) / peak
+                for _, p, n, ctx in eng["steps"] if p == 0 and n > 0)
     out = {
         "workload_flops": total, "roofline_s": roof_s, "roofline_tok_s": r["workload"]["output_tokens"] / roof_s,
         "roofline_share": roof_s / eng["wall_s"],
@@ -428,6 +439,8 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
         "decode_roofline_tok_s": dec_tokens / (dec_flops / peak) if dec else None,
         "decode_share": dec_flops / peak / dec_s if dec_s else None,
         "decode_share_with_memory_roof": dec_floor / dec_s if dec_s else None,
+        "decode_share_bound_serial": dec_flops / peak / dec_serial if dec else None,
+        "roofline_share_bound_serial": roof_s / (roof_s + extra),
         "weight_bytes": weight_bytes, "memory_floor_step_s": floor_step, "memory_floor_tok_s": 1 / floor_step,
         "single_stream_share": r["single_stream"]["decode_tok_s"] * floor_step,
     }
@@ -480,6 +493,9 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
          f"{a['decode_tok_s'] or 0:.1f} / {a['decode_roofline_tok_s'] or 0:.1f}" if a["decode_steps"] else "n/a"),
         (f"decode ≥ {mb}: share of compute roofline", pct(a["decode_share"])),
         (f"decode ≥ {mb}: share of compute+memory roofline", pct(a["decode_share_with_memory_roof"])),
+        (f"decode ≥ {mb}: highest compute-roofline share with GEMMs and KV reads taking turns",
+         pct(a.get("decode_share_bound_serial"))),
+        ("whole workload: highest compute-roofline share, likewise", pct(a.get("roofline_share_bound_serial"))),
         ("packed weight copies (cpu_prepack_weights)", f"{eng.get('prepacked_bytes', 0) / 2**20:.0f} MiB"),
         ("single stream: weights / floor step",
          f"{a['weight_bytes'] / 2**20:.0f} MiB / {1e3 * a['memory_floor_step_s']:.1f} ms"),
