@@ -1,6 +1,7 @@
-// Causal prefill attention for the CPU over an fp32 paged cache: one chunk of one sequence's
-// queries (rows num_cached .. num_cached + T - 1 of the sequence) attends to the sequence's rows
-// [0, own row], read in place through the block table (the chunk's own K/V are already written).
+// Causal prefill attention for the CPU over a paged cache, fp32 or int8 (cache_bits 8): one chunk
+// of one sequence's queries (rows num_cached .. num_cached + T - 1 of the sequence) attends to the
+// sequence's rows [0, own row], read in place through the block table (the chunk's own K/V are
+// already written). Int8 rows are dequantized as each key chunk is copied into scratch.
 //
 // Compiled in one translation unit after paged_attention_cpu.cpp (it uses its Vec alias).
 // Layout: a vector's lanes are R = Vec::size() consecutive query rows. A task takes one KV head and
@@ -172,6 +173,8 @@ static void check_prefill_args(const torch::Tensor& out, const torch::Tensor& q,
   TORCH_CHECK(D > 0 && D <= 512, "paged_prefill_attention: head_dim must be in [1, 512]");
   TORCH_CHECK(num_cached >= 0 && block_table.is_contiguous() && block_table.numel() * BS >= num_cached + T,
               "paged_prefill_attention: the block table must cover num_cached + T rows");
+  // Row positions are compared as floats in the causal mask: exact below 2^24.
+  TORCH_CHECK(num_cached + T < (int64_t{1} << 24), "paged_prefill_attention: sequences must be under 2^24 rows");
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t used = (num_cached + T + BS - 1) / BS;
   for (int64_t i = 0; i < used; ++i)
