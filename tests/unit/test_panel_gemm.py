@@ -52,6 +52,10 @@ def test_non_contiguous_input_and_zero_rows():
     x = wide[:, ::2]  # strided view
     torch.testing.assert_close(cpu_kernels().panel_linear(x, packed, 40, None), reference(x, w))
     assert cpu_kernels().panel_linear(torch.empty(0, 24), packed, 40, None).shape == (0, 40)
+    # Row-strided views (the gate half of a gate_up output) are read in place: the same bits as a copy.
+    for cols in (wide[:, :24], wide[:, 24:], wide[3:4, 5:29]):
+        assert torch.equal(cpu_kernels().panel_linear(cols, packed, 40, None),
+                           cpu_kernels().panel_linear(cols.contiguous(), packed, 40, None))
 
 
 def test_bad_input_gets_a_clear_error():

@@ -86,7 +86,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat),
               "panel_linear: bias must be ", N, " contiguous fp32 values");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 64 == 0, "panel_linear: packed weight not aligned");
-  auto xc = x.contiguous();
+  // Rows may be strided (a column slice of a wider tensor, like the gate half of gate_up): no copy.
+  auto xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
+  const int64_t lda = xc.stride(0);
   auto y = torch::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   const float* xp = xc.data_ptr<float>();
@@ -113,8 +115,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
           pf = next + 64 * t * share;
           lines = std::max<int64_t>(0, std::min(share, panel_bytes / 64 - t * share));
         }
-        kTiles[rows](xp + m * K, K, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr, m0, m1, pf,
-                     lines);
+        kTiles[rows](xp + m * lda, lda, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr, m0, m1,
+                     pf, lines);
       }
     }
   });
