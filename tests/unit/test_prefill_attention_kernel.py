@@ -96,6 +96,11 @@ def test_bad_arguments_are_errors():
         ops.paged_prefill_attention(torch.empty(32, 4, 64), q, kv.half(), table, 0, 0.125)
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.paged_prefill_attention(torch.empty(64, 4, 64)[::2], q, kv, table, 0, 0.125)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_prefill_attention(torch.empty(32, 4, 64), q, kv, table + 100, 0, 0.125)
+    long_table = torch.zeros((1 << 20) + 2, dtype=torch.int64)  # positions compared as floats: under 2^24 only
+    with pytest.raises(RuntimeError, match="under 2\\^24 rows"):
+        ops.paged_prefill_attention(torch.empty(32, 4, 64), q, kv, long_table, 1 << 24, 0.125)
 
 
 def spy_on(backend, kernel: str, monkeypatch) -> list[int]:
