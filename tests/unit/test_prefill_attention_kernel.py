@@ -18,6 +18,7 @@ from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt
 from engine.attention.kv_int8 import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
+from tests.unit.test_paged_decode_kernel import int8_cache
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")
 
@@ -143,9 +144,7 @@ def test_backend_takes_the_kernel_for_causal_fp32_chunks_only(monkeypatch):
 
 def int8_pool(g, kv):
     """Random int8 codes and fp16 scales shaped like the fp32 pool kv, and their dequantized rows."""
-    codes = torch.randint(-127, 128, kv.shape, generator=g, dtype=torch.int8)
-    scales = (torch.rand(kv.shape[:4], generator=g) * 0.02 + 1e-3).to(torch.float16)
-    return codes, scales, codes.float() * scales.float().unsqueeze(-1)
+    return int8_cache(g, *kv.shape[1:])
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 32)])
