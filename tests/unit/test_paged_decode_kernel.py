@@ -107,3 +107,39 @@ def test_int8_cache_each_sequence_is_independent_of_the_batch():
         alone = ops.paged_decode_attention_int8(q[b:b + 1], codes, scales, tables[b:b + 1], lens[b:b + 1], 0.125,
                                                 None, None, None)
         assert torch.equal(alone, full[b:b + 1])
+
+
+@pytest.mark.parametrize("cache", ["fp32", "int8"])
+def test_thread_count_and_batch_order_do_not_change_results(cache):
+    """Threads take sequences longest first from a shared counter: a sequence's output is the same
+    bits whichever thread computes it, in whatever order the batch lists it, and an empty one is zeros."""
+    g = torch.Generator().manual_seed(9)
+    tables = torch.randperm(96, generator=g)[:88].view(8, 11)
+    lens = torch.tensor([170, 3, 0, 96, 16, 1, 121, 47], dtype=torch.int64)
+    q = torch.randn(8, 9, 64, generator=g)
+    ops = load_kernels()
+    if cache == "fp32":
+        kv = torch.randn(2, 96, 16, 3, 64, generator=g)
+
+        def attend(q, tables, lens):
+            return ops.paged_decode_attention(q, kv, tables, lens, 0.125)
+    else:
+        codes, scales, _ = int8_cache(g, 96, 16, 3, 64)
+
+        def attend(q, tables, lens):
+            return ops.paged_decode_attention_int8(q, codes, scales, tables, lens, 0.125, None, None, None)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = attend(q, tables, lens)
+        torch.set_num_threads(1)
+        one = attend(q, tables, lens)
+    finally:
+        torch.set_num_threads(threads)
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+    shuffled = attend(q[perm], tables[perm], lens[perm])
+    assert torch.equal(two, one)
+    assert torch.equal(shuffled, two[perm])
+    assert torch.equal(two[2], torch.zeros_like(two[2]))
+    assert two[lens > 0].abs().sum(dim=(1, 2)).min() > 0
