@@ -1,0 +1,144 @@
+"""Decode attention on the CPU: this tree's kernel against the same kernel at an earlier commit.
+
+    .venv/bin/python -m bench.decode_attention
+    .venv/bin/python -m bench.decode_attention --base 71f4fbc --batches 16 48 --draws 3 --rounds 9
+
+One decode step's attention over all 30 layers of SmolLM2-135M (9 query heads sharing 3 KV heads
+of 64), each layer with its own paged fp32 cache in scattered 16-row blocks, so that as in the
+engine the KV streams from memory rather than from cache. Context lengths are drawn uniformly from
+40-760 rows, the range of the throughput workload's decode steps (prompts of 32-512 tokens plus up
+to 256 generated), `--draws` independent draws per batch size. The base kernel is built from
+`git show BASE:engine/attention/csrc/paged_attention_cpu.cpp`; the default base is the commit
+before decode attention shared its sequences out longest first (it split the batch into equal
+halves, one per thread). The two alternate, step after step, their outputs must be bitwise equal,
+and the medians are compared. "Static split imbalance" is the larger half's share of the KV over
+half of it: how much more one thread had to read under the base's split. Writes
+bench/results/decode_attention.json and its section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from bench import roofline
+from bench.report import publish_table, run_info, write_json
+from bench.throughput import progress_bar
+from engine.attention.cpu_paged import _build_flags, load_kernels
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL = "engine/attention/csrc/paged_attention_cpu.cpp"
+DEFAULT_BASE = "71f4fbc"  # the last commit with the equal-halves split
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+CONTEXT = (40, 760)
+
+
+def build_base(rev: str):
+    """The decode kernel as it was at `rev`, as its own extension module."""
+    try:
+        source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=REPO, check=True, capture_output=True,
+                                text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        raise SystemExit(f"cannot read {KERNEL} at {rev!r} (needs a git checkout with that commit): {detail}") from None
+    from torch.utils.cpp_extension import load_inline
+
+    digest = hashlib.sha1((source + " ".join(_build_flags())).encode()).hexdigest()[:12]
+    return load_inline(name=f"infinilm_decode_attention_base_{digest}", cpp_sources=[source],
+                       functions=["paged_decode_attention"], extra_cflags=_build_flags(),
+                       extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def draw_step(batch: int, g: torch.Generator):
+    """Context lengths, one block table per sequence (scattered blocks) and one fp32 cache per layer."""
+    lens = torch.randint(CONTEXT[0], CONTEXT[1] + 1, (batch,), generator=g)
+    blocks = (lens + BLOCK - 1) // BLOCK
+    total = int(blocks.sum())
+    order = torch.randperm(total, generator=g)
+    tables = torch.zeros(batch, int(blocks.max()), dtype=torch.int64)
+    start = 0
+    for b, n in enumerate(blocks.tolist()):
+        tables[b, :n] = order[start:start + n]
+        start += n
+    caches = [torch.randn(2, total, BLOCK, KV_HEADS, HEAD_DIM, generator=g) for _ in range(LAYERS)]
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
+    return lens, tables, caches, q
+
+
+def step_seconds(kernel, q, caches, tables, lens) -> float:
+    scale = HEAD_DIM ** -0.5
+    t0 = time.perf_counter()
+    for kv in caches:
+        kernel.paged_decode_attention(q, kv, tables, lens, scale)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=DEFAULT_BASE, help="git revision whose kernel is the baseline")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 48, 64], help="decode batch sizes")
+    ap.add_argument("--draws", type=int, default=3, help="independent context-length draws per batch size")
+    ap.add_argument("--rounds", type=int, default=9, help="alternations of the two kernels (medians compared)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    if args.rounds < 1 or args.draws < 1 or any(b < 1 or b > 256 for b in args.batches):
+        raise SystemExit("--rounds and --draws must be >= 1, --batches between 1 and 256")
+    torch.set_num_threads(args.threads)
+    kernels = {"base": build_base(args.base), "this tree": load_kernels()}
+    data = {**run_info("bench.decode_attention", args.threads), "base": args.base,
+            "shape": {"layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                      "block_size": BLOCK, "context": list(CONTEXT)}, "steps": []}
+    g = torch.Generator().manual_seed(0)
+    with progress_bar("decode attention", len(args.batches) * args.draws * args.rounds) as advance:
+        for batch in args.batches:
+            for draw in range(args.draws):
+                lens, tables, caches, q = draw_step(batch, g)
+                outs = {name: k.paged_decode_attention(q, caches[0], tables, lens, HEAD_DIM ** -0.5)
+                        for name, k in kernels.items()}
+                if not torch.equal(outs["base"], outs["this tree"]):
+                    raise RuntimeError(f"batch {batch}, draw {draw}: the two kernels' outputs differ")
+                times: dict[str, list[float]] = {name: [] for name in kernels}
+                for _ in range(args.rounds):
+                    for name, k in kernels.items():
+                        times[name].append(step_seconds(k, q, caches, tables, lens))
+                    advance()
+                half = (batch + 1) // 2
+                first, rest = int(lens[:half].sum()), int(lens[half:].sum())
+                data["steps"].append({
+                    "batch": batch, "draw": draw, "context_rows": int(lens.sum()),
+                    "kv_bytes": int(lens.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4,
+                    "static_split_imbalance": 2 * max(first, rest) / (first + rest),
+                    "median_s": {name: statistics.median(t) for name, t in times.items()}, "round_s": times})
+                del caches
+    # The read rate the KV stream is measured against, after the kernels, in the same process.
+    _, read_gbps = roofline.measure_bandwidth(1 << 28, 5)
+    data["read_gbps"] = read_gbps
+    write_json("decode_attention.json", data)
+    headers = ["batch", "context rows", "static split imbalance", "base ms", "this tree ms",
+               "this tree ÷ base speed", "this tree KV GB/s", "÷ memory read rate"]
+    rows = []
+    for s in data["steps"]:
+        m = s["median_s"]
+        gbps = s["kv_bytes"] / m["this tree"] / 1e9
+        rows.append((s["batch"], s["context_rows"], f"{100 * (s['static_split_imbalance'] - 1):.0f}%",
+                     f"{m['base'] * 1e3:.1f}", f"{m['this tree'] * 1e3:.1f}", f"{m['base'] / m['this tree']:.2f}×",
+                     f"{gbps:.1f}", f"{100 * gbps / read_gbps:.0f}%"))
+    publish_table(
+        "decode_attention", "Decode attention, one step over all layers (SmolLM2-135M's heads, fp32 KV, CPU)", data,
+        f"{LAYERS} layers, each with its own paged fp32 cache ({HEADS} query heads over {KV_HEADS} KV heads of "
+        f"{HEAD_DIM}, {BLOCK}-row blocks in scattered order), contexts drawn uniformly from {CONTEXT[0]}-{CONTEXT[1]} "
+        f"rows; the kernel at {args.base} (the batch split into equal halves, one per thread) against this tree's "
+        f"(sequences taken longest first from a shared counter), alternating {args.rounds} rounds, medians compared, "
+        f"outputs bitwise equal. Memory read rate measured after the runs: {read_gbps:.1f} GB/s.",
+        "one decode step's attention, all layers", headers, rows)
+
+
+if __name__ == "__main__":
+    main()
