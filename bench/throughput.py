@@ -427,6 +427,14 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
         return gemm + max(flops.attention_per_context * ctx / peak, ctx * kv_token_bytes / bandwidth)
 
     dec_serial = sum(serial_step(n, ctx) for _, _, n, ctx in dec)
+    # The other two phases on the compute roof: steps with prefill (their FLOPs are the workload's minus those
+    # of every decode-only step) and the decode-only steps below the batch threshold (the tail).
+    decode_only = [st for st in eng["steps"] if st[1] == 0 and st[2] > 0]
+    small = [st for st in decode_only if st[2] < s.decode_min_batch]
+    prefill_s = sum(st[0] for st in eng["steps"] if st[1] > 0)
+    prefill_flops = total - sum(flops.decode_step(n, ctx) for _, _, n, ctx in decode_only)
+    small_s = sum(st[0] for st in small)
+    small_flops = sum(flops.decode_step(n, ctx) for _, _, n, ctx in small)
     # The whole workload under the same model: every decode-only step pays its memory time on top.
     extra = sum(serial_step(n, ctx) - flops.decode_step(n, ctx) / peak
                 for _, p, n, ctx in eng["steps"] if p == 0 and n > 0)
@@ -441,6 +449,9 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
         "decode_share_with_memory_roof": dec_floor / dec_s if dec_s else None,
         "decode_share_bound_serial": dec_flops / peak / dec_serial if dec else None,
         "roofline_share_bound_serial": roof_s / (roof_s + extra),
+        "prefill_steps_s": prefill_s, "prefill_steps_share": prefill_flops / peak / prefill_s if prefill_s else None,
+        "small_decode_steps": len(small), "small_decode_s": small_s,
+        "small_decode_share": small_flops / peak / small_s if small_s else None,
         "weight_bytes": weight_bytes, "memory_floor_step_s": floor_step, "memory_floor_tok_s": 1 / floor_step,
         "single_stream_share": r["single_stream"]["decode_tok_s"] * floor_step,
     }
@@ -496,6 +507,11 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
         (f"decode ≥ {mb}: highest compute-roofline share with GEMMs and KV reads taking turns",
          pct(a.get("decode_share_bound_serial"))),
         ("whole workload: highest compute-roofline share, likewise", pct(a.get("roofline_share_bound_serial"))),
+        ("steps with prefill: seconds, share of compute roofline",
+         f"{a['prefill_steps_s']:.2f} s, {pct(a['prefill_steps_share'])}" if "prefill_steps_s" in a else "n/a"),
+        (f"decode-only steps at batch < {mb}: steps, seconds, share of compute roofline",
+         f"{a['small_decode_steps']}, {a['small_decode_s']:.2f} s, {pct(a['small_decode_share'])}"
+         if "small_decode_s" in a else "n/a"),
         ("packed weight copies (cpu_prepack_weights)", f"{eng.get('prepacked_bytes', 0) / 2**20:.0f} MiB"),
         ("single stream: weights / floor step",
          f"{a['weight_bytes'] / 2**20:.0f} MiB / {1e3 * a['memory_floor_step_s']:.1f} ms"),
@@ -585,6 +601,28 @@ def invocation() -> str:
     return shlex.join([python, *target, *sys.argv[1:]])
 
 
+def report_saved_run(path: Path, publish: bool) -> None:
+    """Recompute the analysis of a saved full run from its raw measurements; print it, and publish it if asked."""
+    try:
+        r = json.loads(path.read_text())
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in r["settings"].items()
+                  if k in Settings.__dataclass_fields__}
+        s = Settings(**fields)
+        weight_bytes = r["roofline"]["weight_bytes"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"{path}: not a saved bench.throughput run ({type(exc).__name__}: {exc})") from None
+    mc = ModelConfig.from_folder(resolve_model("smollm2"))
+    r["roofline"] = analyse(r, roofline.FlopModel.from_config(mc), weight_bytes, roofline.kv_bytes_per_token(mc), s)
+    tables = build_tables(r)
+    for t in tables:
+        print_table(*t)
+    console.print(f"re-analysed {path} (measured {r['machine']['date']}, {r.get('command', '?')})")
+    if publish:
+        path.write_text(json.dumps(r, indent=1) + "\n")
+        write_docs(r, tables)
+        console.print(f"wrote {path.relative_to(REPO)} and {DOCS.relative_to(REPO)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small workload to check the script end to end")
@@ -595,7 +633,14 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="measure the engine only")
     ap.add_argument("--no-prepack", action="store_true",
                     help="measure the engine without cpu_prepack_weights only (by default the table has both)")
+    ap.add_argument("--report", nargs="?", type=Path, const=RESULTS / "throughput.json", metavar="JSON",
+                    help="measure nothing: re-analyse a saved run (default bench/results/throughput.json) and print "
+                         "its tables; the default run's JSON and docs section are rewritten with them, e.g. after a "
+                         "change to the analysis, any other file is only printed")
     args = ap.parse_args()
+    if args.report is not None:
+        report_saved_run(args.report, publish=args.report.resolve() == (RESULTS / "throughput.json").resolve())
+        return
     s = QUICK if args.quick else Settings()
     command = invocation()
     console.print(f"[bold]$ {command}[/bold]")
