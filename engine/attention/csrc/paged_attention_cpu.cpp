@@ -301,8 +301,8 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
 // Every sequence of the batch by decode_seq_512, one task per sequence; q and out [B, H, D] fp32.
 // Threads take sequences longest first from a shared counter. A batch's contexts differ by up to
 // tens of times, so a static split of the batch into equal counts can leave one thread with most
-// of the KV to read (a 17% imbalance cost 9% of the attention time at batch 48 in an ad hoc
-// timing). A sequence's result does not depend on which thread computes it.
+// of the KV to read (bench/decode_attention.py times this against the equal-halves split). A
+// sequence's result does not depend on which thread computes it.
 template <typename Rows>
 static void decode_batch_avx512(float* op, const float* qp, const Rows& src, const int64_t* bt, const int64_t* sl,
                                 int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t BS, int64_t MB, float sc) {
