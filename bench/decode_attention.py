@@ -19,21 +19,18 @@ bench/results/decode_attention.json and its section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 
 from bench import roofline
+from bench.git_kernel import build_at_revision
 from bench.report import publish_table, run_info, write_json
 from bench.throughput import progress_bar
-from engine.attention.cpu_paged import _build_flags, load_kernels
+from engine.attention.cpu_paged import load_kernels
 
-REPO = Path(__file__).resolve().parent.parent
 KERNEL = "engine/attention/csrc/paged_attention_cpu.cpp"
 DEFAULT_BASE = "71f4fbc"  # the last commit with the equal-halves split
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -42,18 +39,7 @@ CONTEXT = (40, 760)
 
 def build_base(rev: str):
     """The decode kernel as it was at `rev`, as its own extension module."""
-    try:
-        source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=REPO, check=True, capture_output=True,
-                                text=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        raise SystemExit(f"cannot read {KERNEL} at {rev!r} (needs a git checkout with that commit): {detail}") from None
-    from torch.utils.cpp_extension import load_inline
-
-    digest = hashlib.sha1((source + " ".join(_build_flags())).encode()).hexdigest()[:12]
-    return load_inline(name=f"infinilm_decode_attention_base_{digest}", cpp_sources=[source],
-                       functions=["paged_decode_attention"], extra_cflags=_build_flags(),
-                       extra_ldflags=["-fopenmp"], verbose=False)
+    return build_at_revision(rev, [KERNEL], ["paged_decode_attention"])
 
 
 def draw_step(batch: int, g: torch.Generator):

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.panel_gemm
     .venv/bin/python -m bench.panel_gemm --rows 1 32 64 --rounds 5
+    .venv/bin/python -m bench.panel_gemm --base 9ccb5af   # also the kernel as it was at that commit
 
 One pass = every linear of SmolLM2-135M for one step of `rows` tokens: 30 layers' qkv, o_proj,
 gate_up and down weights (random, distinct per layer, so that as in the model they stream from
@@ -9,8 +10,11 @@ memory rather than sit in cache) and the 49152-wide LM head. Three arms, each th
 `engine.models.linear.linear`, alternating round after round in one process: the engine's
 defaults (plain weights: the skinny kernel up to 8 rows, oneDNN at padded row buckets above),
 oneDNN on its packed copy (what `cpu_prepack_weights` kept before the panel kernel), and the
-panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPUs). Medians
-over the rounds are compared. Writes bench/results/panel_gemm.json and its section of
+panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPUs). With
+`--base REV`, two more arms, both calling the kernel directly (without `linear`'s Python
+dispatch): this tree's panel kernel, and the one built from engine/models/csrc/panel_gemm.cpp at
+git revision REV on its own packing, whose outputs must equal this tree's bitwise. Medians over
+the rounds are compared. Writes bench/results/panel_gemm.json and its section of
 docs/BENCHMARKS.md.
 """
 
@@ -31,6 +35,7 @@ LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o_proj
 HEAD_SHAPE = (49152, 576)
 NUM_LAYERS = 30
 DEFAULT_ROWS = (1, 8, 16, 32, 48, 64, 128, 256)
+KERNEL = "engine/models/csrc/panel_gemm.cpp"
 
 
 def build_weights(seed: int) -> list[dict[str, torch.Tensor | None]]:
@@ -46,13 +51,29 @@ def build_weights(seed: int) -> list[dict[str, torch.Tensor | None]]:
     return weights
 
 
-def one_pass(weights, xs: dict[int, torch.Tensor], arm: str) -> float:
+def one_pass(weights, xs: dict[int, torch.Tensor], arm: str, base=None) -> float:
+    from engine.models.cpu_kernels import cpu_kernels
     from engine.models.linear import linear
 
     t0 = time.perf_counter()
-    for w in weights:
-        linear(xs[w["plain"].shape[1]], w["plain"], packed=None if arm == "plain" else w[arm])
+    if arm in ("direct", "base"):  # this tree's kernel or the one at --base, called directly on its packing
+        kernel = base if arm == "base" else cpu_kernels()
+        for w in weights:
+            kernel.panel_linear(xs[w["plain"].shape[1]], w[arm], w["plain"].shape[0], None)
+    else:
+        for w in weights:
+            linear(xs[w["plain"].shape[1]], w["plain"], packed=None if arm == "plain" else w[arm])
     return time.perf_counter() - t0
+
+
+def check_base(weights, xs: dict[int, torch.Tensor], base) -> None:
+    """The kernel at --base must compute the same bits as this tree's (a timing of different work means nothing)."""
+    from engine.models.linear import linear
+
+    for w in weights[:4] + weights[-1:]:
+        x, n = xs[w["plain"].shape[1]], w["plain"].shape[0]
+        if not torch.equal(base.panel_linear(x, w["base"], n, None), linear(x, w["plain"], packed=w["panel"])):
+            sys.exit(f"the panel kernel at --base and this tree's disagree on a {tuple(w['plain'].shape)} weight")
 
 
 def main() -> None:
@@ -60,6 +81,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="rows per pass (tokens in a step)")
     ap.add_argument("--rounds", type=int, default=7, help="alternations of the three arms (medians are compared)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--base", metavar="REV",
+                    help="also time the panel kernel as it was at git revision REV (a fourth arm; its outputs must "
+                         "equal this tree's bitwise)")
     args = ap.parse_args()
     if bad := [r for r in args.rows if not 1 <= r <= 256]:
         sys.exit(f"--rows must be between 1 and 256 (the packed copies' range), got {bad}")
@@ -69,19 +93,31 @@ def main() -> None:
     if not lin._panel_kernel():
         sys.exit("the panel kernel is not available here (it needs AVX-512 and the CPU extension); nothing to compare")
     arms = {"plain": "defaults (plain weights)", "onednn": "oneDNN, packed", "panel": "panel kernel, packed"}
+    base = None
+    if args.base:
+        from bench.git_kernel import build_at_revision
+
+        base = build_at_revision(args.base, [KERNEL], ["pack_panels", "panel_linear"])
+        arms["direct"] = "panel kernel, direct call"
+        arms["base"] = f"panel kernel at {args.base}, direct call"
     flops_per_row = 2 * (NUM_LAYERS * sum(n * k for n, k in LAYER_SHAPES) + HEAD_SHAPE[0] * HEAD_SHAPE[1])
     seconds: dict[int, dict[str, list[float]]] = {r: {a: [] for a in arms} for r in args.rows}
     with torch.inference_mode():
         weights = build_weights(0)
+        if base is not None:
+            for w in weights:
+                w["base"], w["direct"] = base.pack_panels(w["plain"]), w["panel"]
         with progress_bar("panel kernel A/B/C", len(args.rows) * args.rounds) as advance:
             for rows in args.rows:
                 g = torch.Generator().manual_seed(rows)
                 xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
                 for arm in arms:  # warm-up: oneDNN builds its primitives, pages are touched
-                    one_pass(weights, xs, arm)
+                    one_pass(weights, xs, arm, base)
+                if base is not None:
+                    check_base(weights, xs, base)
                 for _ in range(args.rounds):
                     for arm in arms:
-                        seconds[rows][arm].append(one_pass(weights, xs, arm))
+                        seconds[rows][arm].append(one_pass(weights, xs, arm, base))
                     advance()
     medians = {r: {a: statistics.median(v) for a, v in by_arm.items()} for r, by_arm in seconds.items()}
     data = {**run_info("bench.panel_gemm", args.threads), "settings": vars(args), "seconds": seconds,
@@ -89,17 +125,20 @@ def main() -> None:
     write_json("panel_gemm.json", data)
 
     headers = ["rows", *(f"{name} ms" for name in arms.values()), "panel GFLOP/s", "panel ÷ defaults",
-               "panel ÷ oneDNN packed"]
+               "panel ÷ oneDNN packed", *([f"direct ÷ at {args.base}"] if base is not None else [])]
     table = []
     for rows, m in medians.items():
         table.append((rows, *(f"{m[a] * 1e3:.1f}" for a in arms), f"{flops_per_row * rows / m['panel'] / 1e9:.0f}",
-                      f"{m['plain'] / m['panel']:.2f}×", f"{m['onednn'] / m['panel']:.2f}×"))
+                      f"{m['plain'] / m['panel']:.2f}×", f"{m['onednn'] / m['panel']:.2f}×",
+                      *([f"{m['base'] / m['direct']:.2f}×"] if base is not None else [])))
     title = "All linears of one SmolLM2-135M step (30 layers + LM head), medians of alternating rounds"
     publish_table(
         "panel_gemm", "Panel GEMM kernel: the linears of a decode step", data,
-        f"fp32, weights distinct per layer so that they stream from memory as in the model; the three arms "
+        f"fp32, weights distinct per layer so that they stream from memory as in the model; the {len(arms)} arms "
         f"alternate {args.rounds} times per row count in one process and the medians are compared. Lower ms is "
-        "faster; the ratios are speed-ups of the panel kernel.", title, headers, table)
+        "faster; the ratios are speed-ups of the panel kernel"
+        + (f" (the last: this tree's kernel over the one at {args.base}, both called directly, outputs bitwise "
+           "equal)." if base is not None else "."), title, headers, table)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,20 @@ namespace panel_gemm {
 constexpr int64_t kCols = 32;
 constexpr int kMaxTileRows = 12;
 
-template <int MR>
+// The first prefetch_steps K steps each send PF lines to L2 (lines PF * k .. PF * k + PF - 1 from `prefetch`).
+template <int MR, int PF>
 static void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
-                 const float* bias, __mmask16 m0, __mmask16 m1, const char* prefetch, int64_t prefetch_lines) {
+                 const float* bias, __mmask16 m0, __mmask16 m1, const char* prefetch, int64_t prefetch_steps) {
   __m512 acc0[MR], acc1[MR];
   for (int i = 0; i < MR; ++i) {
     acc0[i] = _mm512_setzero_ps();
     acc1[i] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < K; ++k) {
-    if (k < prefetch_lines) _mm_prefetch(prefetch + 64 * k, _MM_HINT_T1);
+    if (k < prefetch_steps) {
+      _mm_prefetch(prefetch + 64 * PF * k, _MM_HINT_T1);
+      if (PF == 2) _mm_prefetch(prefetch + 64 * PF * k + 64, _MM_HINT_T1);
+    }
     const __m512 b0 = _mm512_load_ps(panel + k * kCols), b1 = _mm512_load_ps(panel + k * kCols + 16);
     for (int i = 0; i < MR; ++i) {
       const __m512 av = _mm512_set1_ps(a[i * lda + k]);
@@ -46,8 +50,12 @@ static void tile(const float* a, int64_t lda, const float* panel, int64_t K, flo
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, __mmask16,
                         __mmask16, const char*, int64_t);
-static const TileFn kTiles[kMaxTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
-                                                tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+// [PF - 1][rows]
+static const TileFn kTiles[2][kMaxTileRows + 1] = {
+    {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<8, 1>,
+     tile<9, 1>, tile<10, 1>, tile<11, 1>, tile<12, 1>},
+    {nullptr, tile<1, 2>, tile<2, 2>, tile<3, 2>, tile<4, 2>, tile<5, 2>, tile<6, 2>, tile<7, 2>, tile<8, 2>,
+     tile<9, 2>, tile<10, 2>, tile<11, 2>, tile<12, 2>}};
 
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1)); }
 
@@ -97,9 +105,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   float* yp = y.data_ptr<float>();
   // Rows split into equal tiles of at most 12 (50 rows: five of 10, not four of 12 and one of 2).
   const int64_t ntiles = (M + kMaxTileRows - 1) / kMaxTileRows, per = (M + ntiles - 1) / ntiles;
-  const int64_t panel_bytes = K * kCols * 4;
-  // Each tile prefetches its share of the next panel, at most one line per K step.
-  const int64_t share = std::min<int64_t>((panel_bytes / ntiles + 63) / 64, K);
+  // Each tile prefetches its share of the next panel into L2, spread over its K steps: one line per step,
+  // or two where a single tile holds every row from 4 rows up (the panel's lines are 2 x K, so one line
+  // per step would leave half of it to the hardware prefetcher). Below 4 rows a step is too short for two.
+  // `.venv/bin/python -m bench.panel_gemm --base REV` times this against an earlier commit's kernel.
+  const int64_t panel_lines = K * kCols * 4 / 64;
+  const int64_t pf = ntiles == 1 && M >= 4 ? 2 : 1;
+  const int64_t share = std::min((panel_lines + ntiles - 1) / ntiles, pf * K);  // lines per tile
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min<int64_t>(kCols, N - p * kCols);
@@ -109,14 +121,14 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
       int64_t t = 0;
       for (int64_t m = 0; m < M; m += per, ++t) {
         const int64_t rows = std::min(per, M - m);
-        int64_t lines = 0;
-        const char* pf = nullptr;
+        int64_t steps = 0;
+        const char* ahead = nullptr;
         if (next) {
-          pf = next + 64 * t * share;
-          lines = std::max<int64_t>(0, std::min(share, panel_bytes / 64 - t * share));
+          ahead = next + 64 * t * share;
+          steps = std::max<int64_t>(0, std::min(share, panel_lines - t * share)) / pf;
         }
-        kTiles[rows](xp + m * lda, lda, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr, m0, m1,
-                     pf, lines);
+        kTiles[pf - 1][rows](xp + m * lda, lda, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr,
+                             m0, m1, ahead, steps);
       }
     }
   });
