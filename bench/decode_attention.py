@@ -120,9 +120,11 @@ def main() -> None:
         "decode_attention", "Decode attention, one step over all layers (SmolLM2-135M's heads, fp32 KV, CPU)", data,
         f"{LAYERS} layers, each with its own paged fp32 cache ({HEADS} query heads over {KV_HEADS} KV heads of "
         f"{HEAD_DIM}, {BLOCK}-row blocks in scattered order), contexts drawn uniformly from {CONTEXT[0]}-{CONTEXT[1]} "
-        f"rows; the kernel at {args.base} (the batch split into equal halves, one per thread) against this tree's "
-        f"(sequences taken longest first from a shared counter), alternating {args.rounds} rounds, medians compared, "
-        f"outputs bitwise equal. Memory read rate measured after the runs: {read_gbps:.1f} GB/s.",
+        f"rows; the kernel at {args.base}"
+        + (" (the batch split into equal halves, one per thread)" if args.base == DEFAULT_BASE else "")
+        + f" against this tree's (sequences taken longest first from a shared counter), alternating {args.rounds} "
+        f"rounds, medians compared, outputs bitwise equal. Memory read rate measured after the runs: "
+        f"{read_gbps:.1f} GB/s.",
         "one decode step's attention, all layers", headers, rows)
 
 
