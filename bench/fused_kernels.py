@@ -1,13 +1,13 @@
-"""The fused fp32 CPU kernels (RMSNorm, residual add + RMSNorm, RoPE) against the torch ops they replace.
+"""The fused fp32 CPU kernels (RMSNorm, residual add + RMSNorm, RoPE, SwiGLU's activation) against torch ops.
 
     .venv/bin/python -m bench.fused_kernels
     .venv/bin/python -m bench.fused_kernels --rounds 6 --batch 32
 
-One SmolLM2-135M fp32 engine (engine defaults) runs single-stream decode and decode at a fixed
-batch, alternately with the fused kernels (engine/models/csrc/fused_cpu.cpp) and with the torch
-ops (the model's fallback when the extension cannot be built), in the same process, round after
-round, so that both arms see the same machine; the medians over the rounds are compared. Writes
-bench/results/fused_kernels.json and its section of docs/BENCHMARKS.md.
+One SmolLM2-135M fp32 engine (engine defaults) runs single-stream decode, decode at a fixed batch
+and prefill-only steps, alternately with the fused kernels (engine/models/csrc/fused_cpu.cpp) and
+with the torch ops (the model's fallback when the extension cannot be built), in the same process,
+round after round, so that both arms see the same machine; the medians over the rounds are
+compared. Writes bench/results/fused_kernels.json and its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine import LLM, SamplingParams
 
 @contextlib.contextmanager
 def fused(enabled: bool) -> Iterator[None]:
-    """The model's fp32 CPU norms and RoPE on the fused kernels (as shipped) or on torch ops."""
+    """The model's fp32 CPU norms, RoPE and SwiGLU activation on the fused kernels (as shipped) or on torch ops."""
     if enabled:
         yield
         return
@@ -56,17 +56,34 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int, new_tokens: int, tag: st
     return steps * batch / (time.perf_counter() - t0)
 
 
+def prefill_tok_s(llm: LLM, num: int, prompt_len: int, tag: str) -> float:
+    """Prompt tokens/s of `num` requests of `prompt_len` tokens, prefilled and given one token each."""
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    for i in range(num):
+        prompt = [(11 * i + 3 * j) % 40000 + 100 for j in range(prompt_len)]
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return num * prompt_len / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6, help="alternations of the two arms (medians are compared)")
     ap.add_argument("--batch", type=int, default=32, help="sequences in the batched decode measurement")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
+    ap.add_argument("--prefill", type=int, nargs=2, default=[8, 512], metavar=("REQUESTS", "TOKENS"),
+                    help="the prefill measurement: REQUESTS prompts of TOKENS tokens each")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(model="smollm2", dtype="float32")
-    cases = {"single stream": 1, f"decode, batch {args.batch}": args.batch}
+    num, plen = args.prefill
+    prefill_case = f"prefill, {num} prompts of {plen} tokens (prompt tok/s)"
+    cases = {"single stream": 1, f"decode, batch {args.batch}": args.batch, prefill_case: 0}
     rates: dict[str, dict[str, list[float]]] = {c: {"torch ops": [], "fused kernels": []} for c in cases}
     decode_tok_s(llm, 1, args.prompt, 8, "warm")
     with progress_bar("fused kernels A/B", args.rounds) as advance:
@@ -74,21 +91,24 @@ def main() -> None:
             for arm, enabled in (("torch ops", False), ("fused kernels", True)):
                 with fused(enabled):
                     for case, batch in cases.items():
-                        rates[case][arm].append(decode_tok_s(llm, batch, args.prompt, args.tokens, f"{r}-{arm}-{case}"))
+                        tag = f"{r}-{arm}-{case}"
+                        rates[case][arm].append(prefill_tok_s(llm, num, plen, tag) if case == prefill_case else
+                                                decode_tok_s(llm, batch, args.prompt, args.tokens, tag))
             advance()
     medians = {c: {arm: statistics.median(v) for arm, v in arms.items()} for c, arms in rates.items()}
     data = {**run_info("bench.fused_kernels", args.threads), "settings": vars(args), "rates": rates,
             "medians": medians}
     write_json("fused_kernels.json", data)
-    headers = ["decode", "torch ops tok/s", "fused kernels tok/s", "fused ÷ torch"]
+    headers = ["phase", "torch ops tok/s", "fused kernels tok/s", "fused ÷ torch"]
     rows = [(c, f"{m['torch ops']:.1f}", f"{m['fused kernels']:.1f}", f"{m['fused kernels'] / m['torch ops']:.2f}×")
             for c, m in medians.items()]
-    title = "Decode with the fused fp32 CPU kernels and with torch ops (medians of alternating rounds)"
+    title = "Decode and prefill with the fused fp32 CPU kernels and with torch ops (medians of alternating rounds)"
     publish_table(
-        "fused_kernels", "Fused CPU kernels: RMSNorm, residual add + RMSNorm, RoPE", data,
-        f"SmolLM2-135M fp32 on the engine's defaults, {args.prompt}-token prompts, {args.tokens} greedy tokens "
-        f"each, decode steps only; the two arms alternate {args.rounds} times in one process and the medians are "
-        "compared.", title, headers, rows)
+        "fused_kernels", "Fused CPU kernels: RMSNorm, residual add + RMSNorm, RoPE, SwiGLU activation", data,
+        f"SmolLM2-135M fp32 on the engine's defaults; decode: {args.prompt}-token prompts, {args.tokens} greedy "
+        f"tokens each, decode steps only; prefill: {num} prompts of {plen} tokens, one token each, every step "
+        f"timed; the two arms alternate {args.rounds} times in one process and the medians are compared.",
+        title, headers, rows)
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
 
 RMSNorm, residual add + RMSNorm, and RoPE in place: the same values as the torch reference within
 fp32 rounding, each row independent of the others in the batch (deterministic mode relies on
-it), and clear errors for input they cannot take.
+it), and clear errors for input they cannot take. SwiGLU's activation (silu(gate) * up in place):
+bitwise the two torch ops.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
-from engine.models.llama import RMSNorm
+from engine.models.llama import MLP, RMSNorm
 from engine.models.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU extension could not be built here")
@@ -113,3 +114,38 @@ def test_kernels_refuse_what_they_cannot_take():
         cpu_kernels().add_rms_norm_rows(randn(2, 8), randn(3, 8), randn(8), 1e-6)
     with pytest.raises(RuntimeError, match="row width"):
         cpu_kernels().rms_norm_rows(randn(2, 8), randn(9), 1e-6)
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[rows, 2 \* 5\]"):
+        cpu_kernels().silu_mul_rows_(randn(3, 11), 5)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        cpu_kernels().silu_mul_rows_(randn(10, 3).t(), 5)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_kernels().silu_mul_rows_(randn(3, 10).half(), 5)
+
+
+@pytest.mark.parametrize("rows,intermediate", [(1, 1536), (48, 1536), (300, 100), (5, 7), (3, 20)])
+def test_silu_mul_rows_is_bitwise_the_two_torch_ops(rows, intermediate):
+    # Magnitudes from tiny to past exp's range, a NaN and infinities; rows strided (a slice of wider rows).
+    wide = randn(rows, 2 * intermediate + 3) * torch.logspace(-3, 2.3, 2 * intermediate + 3)
+    wide[0, 0], wide[-1, 1], wide[-1, intermediate - 1] = float("nan"), float("inf"), -float("inf")
+    gate_up = wide[:, :2 * intermediate]
+    pad = wide[:, 2 * intermediate:].clone()
+    want = gate_up.clone()  # like gate_up, the gate half's rows are strided: torch loops row by row
+    g, u = want.split(intermediate, dim=1)
+    F.silu(g, inplace=True).mul_(u)
+    cpu_kernels().silu_mul_rows_(gate_up, intermediate)
+    assert torch.equal(gate_up[:, :intermediate].nan_to_num(7.0), want[:, :intermediate].nan_to_num(7.0))
+    assert torch.equal(gate_up[:, intermediate:], want[:, intermediate:])  # up is left as it was
+    assert torch.equal(wide[:, 2 * intermediate:], pad)  # nothing past the row is touched
+
+
+def test_mlp_activation_takes_the_kernel_and_returns_the_gate_half():
+    mlp = MLP.__new__(MLP)
+    mlp.intermediate = 6
+    x = randn(4, 12)
+    want = x.clone()
+    g, u = want.split(6, dim=1)
+    F.silu(g, inplace=True).mul_(u)
+    with torch.no_grad():
+        got = mlp._activate(x)
+    assert got.data_ptr() == x.data_ptr() and got.shape == (4, 6)  # written over the gate half, no copy
+    assert torch.equal(got, want[:, :6])

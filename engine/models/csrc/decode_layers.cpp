@@ -4,14 +4,14 @@
 // kernels (module calls, splits, views, one torch dispatch per small op); bench.throughput's
 // single-stream rows compare this path with the layer-by-layer one in the same run. This function
 // runs the same sequence of kernels as engine/models/llama.py's DecoderLayer on the CPU path (the
-// functions above in this translation unit, and at::silu_ / mul_ / add_ where the Python path
-// calls torch), so a row's result is bitwise the same as the Python path's
-// (tests/unit/test_fused_decode.py); only the bookkeeping moves out of the interpreter.
+// functions above in this translation unit, and at::add_ where the Python path calls torch), so a
+// row's result is bitwise the same as the Python path's (tests/unit/test_fused_decode.py); only the
+// bookkeeping moves out of the interpreter.
 //
 // Per layer, with x the residual stream [B, hidden], updated in place:
 //   h = rms_norm(x); qkv = h @ Wqkv (+ b); rope(q, k); K/V rows -> their cache slots;
 //   a = paged decode attention(q); x += a @ Wo; h = rms_norm(x); gu = h @ Wgu;
-//   gate = silu(gate) * up; x += gate @ Wdown.
+//   gate = silu(gate) * up (in place, silu_mul_rows_); x += gate @ Wdown.
 // With an int8 KV cache (kv_scales holds each layer's fp16 scales), new K/V rows are quantized as
 // engine/attention/kv_int8.py's quantize_rows does (absmax / 127 rounded to fp16, codes rounded half
 // to even) and attention reads the int8 pool (paged_decode_attention_int8, no full-precision ring).
@@ -117,10 +117,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     // MLP block.
     h = add_rms_norm_rows(x, o, w.post_norm, eps);
     auto gate_up = panel_linear(h, w.gate_up, 2 * intermediate, c10::nullopt);
-    auto gate = gate_up.narrow(1, 0, intermediate);
-    at::silu_(gate);
-    gate.mul_(gate_up.narrow(1, intermediate, intermediate));
-    x.add_(panel_linear(gate, w.down, hidden, c10::nullopt));
+    silu_mul_rows_(gate_up, intermediate);
+    x.add_(panel_linear(gate_up.narrow(1, 0, intermediate), w.down, hidden, c10::nullopt));
   }
   return x;
 }
