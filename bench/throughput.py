@@ -370,7 +370,7 @@ def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
         ops = load_kernels()
         kernels = {f"ext::{n}": (ops, n) for n in ("paged_decode_attention", "paged_prefill_attention",
                                                    "skinny_linear", "panel_linear", "rms_norm_rows",
-                                                   "add_rms_norm_rows", "rope_rows_", "decode_layers")}
+                                                   "add_rms_norm_rows", "rope_rows_", "silu_mul_rows_", "decode_layers")}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in {**targets, **kernels}.items()}
     for name, (obj, attr) in targets.items():
         setattr(obj, attr, timed(name, originals[name]))
