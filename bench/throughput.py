@@ -455,6 +455,12 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
         "weight_bytes": weight_bytes, "memory_floor_step_s": floor_step, "memory_floor_tok_s": 1 / floor_step,
         "single_stream_share": r["single_stream"]["decode_tok_s"] * floor_step,
     }
+    # The same share against each GEMM probe alone: the best probe (above) is the conservative roof, and the
+    # spread between probes is how far this VM's rate moved during the run.
+    probes = [run["peak_gflops"] for run in r.get("machine_rates_runs", [])]
+    if len(probes) > 1:
+        out["peak_probes_gflops"] = probes
+        out["roofline_share_by_probe"] = [total / (g * 1e9) / eng["wall_s"] for g in probes]
     return out
 
 
@@ -498,6 +504,12 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
         ("roofline time / engine time", f"{a['roofline_s']:.2f} s / {eng['wall_s']:.2f} s"),
         ("roofline tok/s / engine tok/s", f"{a['roofline_tok_s']:.1f} / {eng['tok_s']:.1f}"),
         ("engine share of roofline, whole workload", pct(a["roofline_share"])),
+    ]
+    if "peak_probes_gflops" in a:
+        roof_rows.append(("GEMM probes before / after the runs, and the whole-workload share on each",
+                          " / ".join(f"{g:.0f}" for g in a["peak_probes_gflops"]) + " GFLOP/s; "
+                          + " / ".join(pct(x) for x in a["roofline_share_by_probe"])))
+    roof_rows += [
         (f"decode-only steps at batch ≥ {mb}",
          f"{a['decode_steps']} steps, {a['decode_tokens']} tokens, {a['decode_s']:.2f} s"),
         (f"decode ≥ {mb}: engine / roofline tok/s",

@@ -1,0 +1,67 @@
+"""bench.throughput's roofline analysis on a small synthetic run whose shares are worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.roofline import FlopModel
+from bench.throughput import Settings, analyse, build_tables
+
+# Round numbers: 1 GFLOP per computed token, 0.5 GFLOP per LM-head row, no attention FLOPs.
+FLOPS = FlopModel(linear_per_token=10**9, lm_head_per_row=5 * 10**8, attention_per_context=0)
+
+
+def rates(peak: float, read: float = 10.0) -> dict:
+    return {"gemm_gflops": {"a": peak}, "peak_gflops": peak, "read_gbps": read, "copy_gbps": read}
+
+
+def run(probes: list[float]) -> dict:
+    # One request: a 3-token prompt and 2 output tokens -> 4 computed tokens and 2 LM-head rows = 5 GFLOP.
+    # Steps: (seconds, prefill tokens, decode rows, context rows).
+    return {
+        "workload": {"prompt_lens": [3], "output_lens": [2], "output_tokens": 2},
+        "engine": {"wall_s": 1.0, "num_cached_tokens": [0], "steps": [[0.6, 3, 0, 0], [0.4, 0, 1, 4]]},
+        "single_stream": {"decode_tok_s": 5.0},
+        "machine_rates": rates(max(probes)),
+        "machine_rates_runs": [rates(p) for p in probes],
+    }
+
+
+def settings() -> Settings:
+    return Settings(decode_min_batch=1)
+
+
+def test_shares_use_the_best_probe_and_report_each_probe() -> None:
+    r = run([5.0, 10.0])
+    a = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
+    assert a["workload_flops"] == 5 * 10**9
+    # The roof is the best probe, 10 GFLOP/s: 0.5 s of work in 1 s of wall time.
+    assert a["roofline_share"] == pytest.approx(0.5)
+    assert a["peak_probes_gflops"] == [5.0, 10.0]
+    assert a["roofline_share_by_probe"] == pytest.approx([1.0, 0.5])
+    # The one decode step computes one token plus its LM-head row, 1.5 GFLOP, in 0.4 s.
+    assert a["decode_share"] == pytest.approx(1.5 / 10 / 0.4)
+    # Steps with prefill: the workload's FLOPs minus the decode step's, 3.5 GFLOP, in 0.6 s.
+    assert a["prefill_steps_share"] == pytest.approx(3.5 / 10 / 0.6)
+    # Single stream: 1 GB of weights at 10 GB/s is a 0.1 s floor step; 5 tok/s is half of it.
+    assert a["single_stream_share"] == pytest.approx(0.5)
+
+
+def test_the_target_row_judges_by_the_best_probe_while_the_table_shows_both() -> None:
+    r = run([5.0, 10.0])
+    r["roofline"] = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
+    r.update({"settings": {"hf_batch_size": 16, "hf_cb_attn": "sdpa"},
+              "ttft": {"prefix_tokens": 8, "cold_median_s": 1.0, "cached_median_s": 0.1, "speedup": 10.0}})
+    r["workload"]["num_requests"] = 1
+    r["engine"].update({"output_tokens": 2, "tok_s": 2.0})
+    _, roof, targets = build_tables(r)
+    probes = dict(roof[2])["GEMM probes before / after the runs, and the whole-workload share on each"]
+    assert probes == "5 / 10 GFLOP/s; 100.0% / 50.0%"
+    whole = next(row for row in targets[2] if row[0] == "share of compute roofline, whole workload")
+    assert whole[2:] == ("50.0%", "no")
+
+
+def test_a_single_probe_adds_no_probe_row() -> None:
+    r = run([10.0])
+    a = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
+    assert "peak_probes_gflops" not in a and a["roofline_share"] == pytest.approx(0.5)
