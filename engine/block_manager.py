@@ -79,6 +79,11 @@ class BlockManager:
         """Free block ids in the order they would be reused (tests use this)."""
         return list(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a full block in the prefix cache, in use or free."""
+        return len(self._cached)
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -50,8 +50,10 @@ class SoakReport:
 
 
 def soak(site: Site, *, minutes: float = 2.0, rate: float = 4.0, workers: int = 2, seed: int = 0,
-         max_tokens: tuple[int, int] = (16, 64), sample_s: float = 2.0, env: dict[str, str] | None = None) -> SoakReport:
-    fleet = Fleet(site, site.topics("soak"), env=dict(env or {}))
+         max_tokens: tuple[int, int] = (16, 64), sample_s: float = 2.0, env: dict[str, str] | None = None,
+         sections: dict | None = None) -> SoakReport:
+    """`sections`: worker config overrides, as Fleet takes them (e.g. {"memory": {"kv_cache_bytes": "16MiB"}})."""
+    fleet = Fleet(site, site.topics("soak"), sections=dict(sections or {}), env=dict(env or {}))
     try:
         for i in range(1, workers + 1):
             fleet.start(f"w{i}")

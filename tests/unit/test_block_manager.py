@@ -145,3 +145,19 @@ def test_reset_prefix_cache_only_when_idle():
     bm.free(a)
     assert bm.reset_prefix_cache()
     assert bm.get_computed_blocks(make_request("b", list(range(9)))) == []
+
+
+def test_cached_block_count_grows_to_the_pool_and_stays_there():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_request("a", list(range(10, 19)))  # 9 tokens: 2 full blocks cached, the partial third is not
+    run_prefill(bm, a)
+    assert bm.num_cached_blocks == 2
+    bm.free(a)
+    assert bm.num_cached_blocks == 2  # freed blocks stay cached for reuse
+    b = make_request("b", list(range(50, 66)))  # 16 distinct tokens: 4 blocks, two of them evict a's
+    run_prefill(bm, b)
+    assert bm.num_cached_blocks == 4 == bm.num_blocks
+    bm.free(b)
+    c = make_request("c", list(range(90, 98)))  # 2 more distinct blocks replace 2 of b's
+    run_prefill(bm, c)
+    assert bm.num_cached_blocks == 4
