@@ -40,6 +40,14 @@ def main() -> None:
                          "The prefix cache's bookkeeping grows until every block of the pool is cached, so a small "
                          "pool shows RSS after that warm-up within a short run; written to its own JSON and section")
     args = ap.parse_args()
+    if args.kv_cache_bytes:
+        from worker.config import parse_bytes
+
+        try:
+            if parse_bytes(args.kv_cache_bytes) <= 0:
+                raise ValueError(f"expected a positive size, got {args.kv_cache_bytes!r}")
+        except ValueError as exc:
+            ap.error(f"--kv-cache-bytes: {exc}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     command = invocation("bench.soak")
     console.print(f"[bold]$ {command}[/]")
