@@ -96,7 +96,7 @@ class BlockManager:
         # Deterministic requests reuse only KV that deterministic prefills computed.
         det = b"det:%d" % self.deterministic_chunk if request.params.deterministic else b""
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
+        for i in range(len(hashes), request.num_known_tokens // bs):
             parent = hashes[-1] if hashes else None
             extra = mask.block_key((i + 1) * bs, request.token_ids) + det
             if det and (i + 1) * bs > request.num_prompt_tokens:
@@ -145,7 +145,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        # A row computed for a pending (PLACEHOLDER) token waits until its token is known.
+        num_full = min(min(request.num_computed_tokens, request.num_known_tokens) // bs, len(request.block_ids))
         if num_full <= request.num_registered_blocks:
             return
         self.compute_block_hashes(request)

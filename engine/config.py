@@ -67,6 +67,10 @@ class EngineConfig:
     load_format: str = "safetensors"
     # Capture decode steps as CUDA graphs per batch-size bucket (CUDA only).
     cuda_graphs: bool = True
+    # Pipelined scheduling: build and queue step N+1 while the device runs step N, and read step N's
+    # tokens (sampling bookkeeping, detokenization, stop strings) while N+1 runs. None: on where the
+    # device runs apart from the host (CUDA); on the CPU the forward pass is the host's own time.
+    async_scheduling: bool | None = None
     # Deterministic requests prefill in chunks on this fixed grid of rows, so their
     # chunking never depends on what else is scheduled.
     deterministic_chunk: int = 256

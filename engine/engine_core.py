@@ -1,7 +1,13 @@
 """EngineCore: one step is schedule -> execute -> update.
 
-The core is synchronous and single-threaded; a host (the offline `LLM`, or
-the worker's engine thread) feeds it requests and calls step() in a loop.
+The core is single-threaded; a host (the offline `LLM`, or the worker's
+engine thread) feeds it requests and calls step() in a loop.
+
+With pipelined scheduling (config.async_scheduling, on for CUDA) a step() call
+schedules and launches step N+1 before it collects step N: the device never
+waits for the host's scheduling, input building, sampling bookkeeping or
+detokenization, only for what of them takes longer than a forward pass. Each
+call then returns step N's outputs, one step later than the synchronous loop.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
 from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepHandle
 from engine.models.config import ModelConfig
 from engine.models.embedding_offload import offload_embedding
 from engine.models.llama import ActivationWorkspace
@@ -33,7 +39,7 @@ from engine.quant.loading import load_engine_model
 from engine.quant.modules import weight_bytes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 
@@ -109,6 +115,11 @@ class EngineCore:
                 self.runner.graphs.capture()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []
+        self.pipelined = (config.async_scheduling if config.async_scheduling is not None
+                          else self.device.type == "cuda")
+        # The launched step whose tokens are not collected yet (pipelined scheduling).
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._last_idle_s: float | None = None  # device idle before the last collected step (CUDA)
         self._ids = itertools.count()
         self._steps = 0
         self.last_stats = EngineStats()
@@ -171,7 +182,7 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_manager.take_events()
@@ -180,11 +191,34 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and not _may_overlap(inflight[0]):
+            # Its tokens shape the next step's sampling (banned phrases): collect it first.
+            outputs += self._collect(*inflight)
+            inflight = None
         sched = self.scheduler.schedule()
+        handle = None
         if sched.is_empty:
             self.runner.release(sched)
-            self.last_stats = self._stats(sched, 0.0, [])
-            return outputs
+        else:
+            handle, error = self._launch(sched, inflight[1] if inflight else None)
+            if error is not None:
+                outputs += self._fail_step(sched, error)
+        if handle is not None and self.pipelined:
+            self.scheduler.advance(sched)
+            self._inflight = (sched, handle)
+        if inflight is not None:
+            outputs += self._collect(*inflight)
+        if handle is not None and not self.pipelined:
+            outputs += self._collect(sched, handle, advance=True)
+        if handle is not None:
+            self._steps += 1
+        self.last_stats = self._stats(sched, time.perf_counter() - t0, [o.request_id for o in outputs if o.finished])
+        self.last_stats.device_idle_s = self._last_idle_s
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput,
+                previous: StepHandle | None) -> tuple[StepHandle | None, Exception | None]:
         now = time.monotonic()
         for s in sched.scheduled:
             req = self.scheduler.requests[s.request_id]
@@ -196,28 +230,33 @@ class EngineCore:
         # floating-point state is left as it was.
         flush = self.device.type == "cpu" and torch.set_flush_denormal(True)
         try:
-            result = self.runner.execute(sched)
+            return self.runner.launch(sched, previous), None
         except Exception as exc:
             # A failure inside the forward pass must not take the engine down:
             # fail the requests of this step and keep serving the rest.
-            return outputs + self._fail_step(sched, exc)
+            return None, exc
         finally:
             if flush:
                 torch.set_flush_denormal(False)
+
+    def _collect(self, sched: SchedulerOutput, handle: StepHandle, advance: bool = False) -> list[RequestOutput]:
+        """A launched step's tokens: into the requests, through detokenization and the stop rules."""
+        try:
+            result = self.runner.collect(handle)
+        except Exception as exc:
+            return self._fail_step(sched, exc)
+        self._last_idle_s = result.device_idle_s
         for rid, scores in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, scores)
-        finished_ids: list[str] = []
-        for st in self.scheduler.update(sched, result.sampled):
+        outputs = []
+        steps = self.scheduler.update(sched, result.sampled) if advance else self.scheduler.resolve(sched, result.sampled)
+        for st in steps:
             req = st.request
             out, stop_hit = self.output_processor.process(
                 req, st.new_token_id, result.logprobs.get(req.request_id), st.finished)
             if stop_hit and not st.finished:
                 self.scheduler.finish(req, "stop")
-            if out.finished:
-                finished_ids.append(req.request_id)
             outputs.append(out)
-        self._steps += 1
-        self.last_stats = self._stats(sched, time.perf_counter() - t0, finished_ids)
         return outputs
 
     def _fail_step(self, sched, exc: Exception) -> list[RequestOutput]:
@@ -225,7 +264,7 @@ class EngineCore:
         outs = []
         for s in sched.scheduled:
             req = self.scheduler.requests.get(s.request_id)
-            if req is not None:
+            if req is not None and not req.is_finished:
                 self.scheduler.finish(req, "error")
                 outs.append(self.output_processor.finish_without_token(req, "error", err))
         return outs
@@ -250,3 +289,9 @@ class EngineCore:
             steps_total=self._steps,
             finished_ids=finished_ids,
         )
+
+
+def _may_overlap(sched: SchedulerOutput) -> bool:
+    """Whether the next step may be built before this one's tokens are known: not when a request
+    that samples in it bans phrases, since the ban depends on the token just sampled."""
+    return not any(s.sample and s.banned for s in sched.scheduled)

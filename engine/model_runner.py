@@ -3,6 +3,15 @@
 The flat batch is laid out as [decode tokens | prefill chunks]; only the rows
 whose logits are needed (the last row of each request that samples) go
 through the LM head.
+
+A step is `launch`ed, then `collect`ed. Launching queues the forward pass and
+the sampling on the device and starts copying the chosen token ids back,
+without waiting; collecting waits for them. Between the two the engine builds
+the next step (pipelined scheduling): that step's decode rows whose input is
+a token still being sampled carry `PLACEHOLDER`, and the launch fills them in
+on the device from the previous step's sampled ids. On a GPU each step also
+records two CUDA events, so the device's idle time between steps is measured,
+not guessed.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.logits_processors import apply_bans, banned_next_tokens
 from engine.models.linear import batch_invariant
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import SampleResult, sample
+from engine.request import PLACEHOLDER
+from engine.sampler import DeviceSample, sample_on_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -28,6 +38,23 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     # request id -> {position: log P(token at position | tokens before)}
     prompt_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Seconds the device sat idle between the previous step's work and this one's (CUDA only).
+    device_idle_s: float | None = None
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its choices are on their way to the host."""
+
+    sampling: list[ScheduledRequest]
+    rows: dict[str, int]  # request id -> row of its sampled token in sample.token_ids
+    sample: DeviceSample | None
+    host: list[torch.Tensor] | None  # the sample's tensors, being copied to (pinned) host memory
+    prompt_logprobs: dict[str, dict[int, float]]
+    done: torch.cuda.Event | None = None  # the copies to the host have landed
+    started: torch.cuda.Event | None = None  # the device began this step's work
+    previous_end: torch.cuda.Event | None = None  # the device finished the step before
+    logits: dict[str, torch.Tensor] | None = None  # captured logits (capture_logits)
 
 
 class ModelRunner:
@@ -43,8 +70,8 @@ class ModelRunner:
         self.graphs = None
         # Ring slots of an int8 KV cache's full-precision window (kv_fp_window > 0), set by the engine.
         self.kv_window: KVWindowSlots | None = None
-        self._pinned: dict[str, torch.Tensor] = {}
         self.last_logits: dict[str, torch.Tensor] = {}
+        self._last_end: torch.cuda.Event | None = None  # the last launched step's end, on CUDA
 
     def release(self, out: SchedulerOutput) -> None:
         """Drop per-sequence state of the requests the scheduler finished or preempted."""
@@ -53,24 +80,57 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step, start to finish."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
+        """Queue the step's forward pass and sampling; `previous` supplies the tokens of PLACEHOLDER rows."""
         self.release(out)
         decodes = [s for s in out.scheduled if s.is_decode]
         prefills = [s for s in out.scheduled if not s.is_decode]
         ordered = decodes + prefills
-        input_ids, positions, meta = self._prepare(decodes, prefills)
+        input_ids, positions, meta = self._prepare(decodes, prefills, previous)
         if self.kv_window is not None:
             meta.kv_window = self.kv_window.metadata(decodes, prefills, self.device)
         invariant = any(s.params.deterministic for s in ordered)
+        cuda = self.device.type == "cuda"
+        # Recorded once the host has built the inputs: the gap since the previous step's end is time the
+        # device had nothing to do (the small input copies queued before it take microseconds).
+        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        if started is not None:
+            started.record()
         with batch_invariant(invariant):
             if self.graphs is not None and not prefills and not invariant and self.graphs.can_run(len(decodes)):
                 hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                          meta.decode_seq_lens)
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            return self._finish(ordered, hidden)
+            handle = self._sample(ordered, hidden)
+        if cuda:
+            handle.started, handle.previous_end = started, self._last_end
+            handle.done = torch.cuda.Event(enable_timing=True)
+            handle.done.record()
+            self._last_end = handle.done
+        return handle
 
-    def _finish(self, ordered, hidden: torch.Tensor) -> RunnerOutput:
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step's tokens and hand them out per request."""
+        idle = None
+        if handle.done is not None:
+            handle.done.synchronize()
+            if handle.previous_end is not None:
+                idle = handle.previous_end.elapsed_time(handle.started) / 1000
+        if handle.logits is not None:
+            self.last_logits = handle.logits
+        if handle.sample is None:
+            return RunnerOutput({}, {}, handle.prompt_logprobs, idle)
+        result = handle.sample.to_host(handle.host)
+        sampled = {s.request_id: t for s, t in zip(handle.sampling, result.token_ids, strict=True)}
+        logprobs = {s.request_id: lp for s, lp in zip(handle.sampling, result.logprobs, strict=True) if lp is not None}
+        return RunnerOutput(sampled, logprobs, handle.prompt_logprobs, idle)
 
+    def _sample(self, ordered, hidden: torch.Tensor) -> StepHandle:
         rows, sampling = [], []
         score_rows: list[int] = []
         score_targets: list[tuple[str, int, int]] = []  # (request id, position, token)
@@ -88,16 +148,23 @@ class ModelRunner:
                 sampling.append(s)
         prompt_logprobs = self._score(hidden, score_rows, score_targets) if score_rows else {}
         if not sampling:
-            return RunnerOutput({}, {}, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float().cpu()
-        if self.capture_logits:
-            self.last_logits = {s.request_id: logits[i].clone() for i, s in enumerate(sampling)}
+            return StepHandle([], {}, None, None, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
+        captured = {s.request_id: logits[i].cpu().clone() for i, s in enumerate(sampling)} \
+            if self.capture_logits else None
         if any(s.banned for s in sampling):
             apply_bans(logits, [banned_next_tokens(s.history, s.banned) if s.banned else [] for s in sampling])
-        result: SampleResult = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        sampled = {s.request_id: t for s, t in zip(sampling, result.token_ids, strict=True)}
-        logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        chosen: DeviceSample = sample_on_device(logits, [s.params for s in sampling],
+                                                [s.generator for s in sampling])
+        tensors = chosen.tensors()
+        if logits.is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(host, tensors, strict=True):
+                h.copy_(t, non_blocking=True)
+        else:
+            host = tensors
+        return StepHandle(sampling, {s.request_id: i for i, s in enumerate(sampling)}, chosen, host,
+                          prompt_logprobs, logits=captured)
 
     def _score(self, hidden: torch.Tensor, rows: list[int], targets: list[tuple[str, int, int]],
                chunk: int = 256) -> dict[str, dict[int, float]]:
@@ -112,7 +179,8 @@ class ModelRunner:
                 out.setdefault(rid, {})[pos] = lp
         return out
 
-    def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
+    def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
+                 previous: StepHandle | None = None):
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -140,7 +208,7 @@ class ModelRunner:
                 block_table=torch.from_numpy(table[: -(-(s.start + n) // bs)]).to(self.device), mask=s.mask,
             ))
         meta = AttentionMetadata(
-            slot_mapping=self._upload("slots", np.concatenate(slot_chunks)),
+            slot_mapping=self._upload(np.concatenate(slot_chunks)),
             num_decodes=nd,
             prefills=spans,
         )
@@ -151,24 +219,36 @@ class ModelRunner:
             for i, s in enumerate(decodes):
                 n = -(-seq_lens[i] // bs)
                 tables[i, :n] = s.block_table[:n]
-            meta.decode_block_tables = self._upload("tables", tables)
-            meta.decode_seq_lens = self._upload("lens", np.asarray(seq_lens, dtype=np.int64))
+            meta.decode_block_tables = self._upload(tables)
+            meta.decode_seq_lens = self._upload(np.asarray(seq_lens, dtype=np.int64))
             meta.decode_max_len = max(seq_lens)
-        input_ids = self._upload("ids", np.asarray(ids, dtype=np.int64))
-        positions = self._upload("positions", np.concatenate(pos_chunks))
+        input_ids = self._upload(np.asarray(ids, dtype=np.int64))
+        holes = [(row, s.request_id) for row, s in enumerate(decodes) if s.token_ids[0] == PLACEHOLDER]
+        # A placeholder is always its request's last token, so only a chunk's last row can hold one.
+        holes += [(span.token_start + span.num_tokens - 1, s.request_id)
+                  for span, s in zip(spans, prefills, strict=True) if s.token_ids[-1] == PLACEHOLDER]
+        if holes:
+            self._fill_placeholders(input_ids, holes, previous)
+        positions = self._upload(np.concatenate(pos_chunks))
         return input_ids, positions, meta
 
-    def _upload(self, name: str, array: np.ndarray) -> torch.Tensor:
-        """A step input on the device. On CUDA it goes through a reused pinned buffer with a
-        non-blocking copy, so building the next inputs overlaps the transfer; the step's
-        sampling synchronises before the buffer is reused."""
+    def _fill_placeholders(self, input_ids: torch.Tensor, holes: list[tuple[int, str]],
+                           previous: StepHandle | None) -> None:
+        """Put the previous step's sampled tokens, still on the device, into the PLACEHOLDER rows."""
+        if previous is None or previous.sample is None or any(rid not in previous.rows for _, rid in holes):
+            raise RuntimeError("a step has placeholder tokens that the previous step did not sample")
+        dst = torch.tensor([row for row, _ in holes], device=self.device)
+        src = torch.tensor([previous.rows[rid] for _, rid in holes], device=self.device)
+        input_ids[dst] = previous.sample.token_ids[src]
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A step input on the device. On CUDA it is staged in pinned memory and copied without
+        blocking, so building the next inputs overlaps the transfer. The pinned block comes from
+        torch's caching host allocator, which reuses it only once the copy that read it is done
+        (with pipelined scheduling the previous step's copies may still be queued)."""
         host = torch.from_numpy(array)
         if self.device.type != "cuda":
             return host
-        buf = self._pinned.get(name)
-        if buf is None or buf.numel() < host.numel():
-            buf = torch.empty(max(host.numel(), 4096), dtype=host.dtype).pin_memory()
-            self._pinned[name] = buf
-        staged = buf[:host.numel()].view(host.shape)
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
         staged.copy_(host)
         return staged.to(self.device, non_blocking=True)

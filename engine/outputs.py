@@ -55,6 +55,8 @@ class EngineStats:
     step_time_s: float = 0.0
     steps_total: int = 0
     finished_ids: list[str] = field(default_factory=list)
+    # Seconds the device sat idle before the last collected step (measured with CUDA events; None on CPU).
+    device_idle_s: float | None = None
 
     @property
     def batch_utilization(self) -> float:

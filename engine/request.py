@@ -10,6 +10,9 @@ import torch
 from engine.attention.metadata import CAUSAL, MaskSpec
 from engine.sampling_params import SamplingParams
 
+# Stands in for a sampled token that is still on its way from the device (pipelined scheduling).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -22,7 +25,9 @@ class Request:
     """Token state of one request; the scheduler and the KV cache manager update it.
 
     NOTE: `token_ids` holds prompt then output tokens in one list, so a
-    preempted request recomputes both as one prefix.
+    preempted request recomputes both as one prefix. With pipelined scheduling
+    its last `num_pending` entries (at most two) are PLACEHOLDERs for tokens
+    launched steps are still sampling.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -37,6 +42,7 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing PLACEHOLDER tokens
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
@@ -60,8 +66,13 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are known (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def is_finished(self) -> bool:

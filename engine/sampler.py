@@ -3,6 +3,13 @@
 Greedy rows are one batched argmax. Random rows are filtered as a batch; the
 draw itself uses each request's own generator when it has a seed, so a seeded
 request gives the same tokens whatever shares its batch.
+
+Everything runs on the device that holds the logits. On a GPU only the chosen
+token ids (and the asked-for logprobs) come back to the host, not the
+[rows, vocab] logits, and `sample_on_device` leaves even that copy to the
+caller, so the next step can be queued before this one's tokens are read.
+A seeded request's noise is drawn on the host from its own CPU generator and
+sent along, so its draws do not depend on the device's random state.
 """
 
 from __future__ import annotations
@@ -21,53 +28,95 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+@dataclass
+class DeviceSample:
+    """A step's choices, still on the logits' device."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    top_k: list[int]  # per row: how many top logprobs were asked for; -1 where none were
+    chosen_logprobs: torch.Tensor | None = None  # [rows] float32, when any row asked
+    top_ids: torch.Tensor | None = None  # [rows, max k] int64
+    top_values: torch.Tensor | None = None  # [rows, max k] float32
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.token_ids, self.chosen_logprobs, self.top_ids, self.top_values) if t is not None]
+
+    def to_host(self, host: list[torch.Tensor] | None = None) -> SampleResult:
+        """The result as Python lists; `host` are copies of tensors() already on the CPU."""
+        host = host if host is not None else [t.cpu() for t in self.tensors()]
+        token_ids = host[0].tolist()
+        logprobs: list = [None] * len(token_ids)
+        if self.chosen_logprobs is not None:
+            chosen, top_ids, top_values = host[1].tolist(), host[2].tolist(), host[3].tolist()
+            for i, k in enumerate(self.top_k):
+                if k >= 0:
+                    logprobs[i] = (chosen[i], list(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
+        return SampleResult(token_ids, logprobs)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SampleResult:
     """logits: [rows, vocab] float32 (modified in place)."""
-    rows = logits.shape[0]
-    want_logprobs = [p.logprobs is not None for p in params]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    return sample_on_device(logits, params, generators).to_host()
 
-    chosen = torch.empty(rows, dtype=torch.long)
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None]) -> DeviceSample:
+    """Choose one token per row without reading anything back from the device."""
+    rows = logits.shape[0]
+    device = logits.device
+    top_k = [(p.logprobs or 0) if p.logprobs is not None else -1 for p in params]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k >= 0 for k in top_k) else None
+
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
     # max(dim).indices: the first maximal index, as argmax gives, at a third of argmax's CPU time.
     if len(greedy) == rows:
         chosen = logits.max(dim=-1).indices
-    elif greedy:
-        idx = torch.tensor(greedy)
-        chosen[idx] = logits[idx].max(dim=-1).indices
-    if rand:
-        idx = torch.tensor(rand)
+    else:
+        chosen = torch.empty(rows, dtype=torch.long, device=device)
+        if greedy:
+            idx = torch.tensor(greedy, device=device)
+            chosen[idx] = logits[idx].max(dim=-1).indices
+        idx = torch.tensor(rand, device=device)
         probs = _filtered_probs(logits[idx], [params[i] for i in rand])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row.
-        noise = torch.empty_like(probs)
-        for row, i in enumerate(rand):
-            noise[row].exponential_(generator=generators[i])
-        chosen[idx] = (probs / noise).argmax(dim=-1)
+        chosen[idx] = (probs / _exponential_noise(probs, [generators[i] for i in rand])).argmax(dim=-1)
 
-    token_ids = chosen.tolist()
-    logprobs: list = [None] * rows
+    result = DeviceSample(chosen, top_k)
     if raw_logprobs is not None:
-        for i, want in enumerate(want_logprobs):
-            if not want:
-                continue
-            k = params[i].logprobs or 0
-            top = torch.topk(raw_logprobs[i], k) if k else None
-            entries = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
-            logprobs[i] = (raw_logprobs[i, token_ids[i]].item(), entries)
-    return SampleResult(token_ids, logprobs)
+        result.chosen_logprobs = raw_logprobs.gather(1, chosen.view(-1, 1)).view(-1)
+        top = torch.topk(raw_logprobs, max(max(top_k), 1), dim=-1)
+        result.top_ids, result.top_values = top.indices, top.values
+    return result
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like probs: seeded rows from their own (CPU) generators, the rest on the device."""
+    noise = torch.empty_like(probs)
+    seeded = [row for row, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        noise.exponential_()
+    if seeded:
+        host = noise if noise.device.type == "cpu" else torch.empty(len(seeded), probs.shape[1], dtype=probs.dtype)
+        for j, row in enumerate(seeded):
+            (host[row] if host is noise else host[j]).exponential_(generator=generators[row])
+        if host is not noise:
+            noise[torch.tensor(seeded, device=noise.device)] = host.to(noise.device)
+    return noise
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temps
     top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_ps = [p.top_p for p in params]
     if any(top_ks) or any(tp < 1.0 for tp in top_ps):
         logits = _top_k_top_p(logits, top_ks, top_ps)
     probs = torch.softmax(logits, dim=-1)
-    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
-    if bool((min_ps > 0).any()):
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        min_ps = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_ps
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -75,13 +124,14 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
+    device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_ks]).unsqueeze(1)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_ks], device=device).unsqueeze(1)
     drop = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype, device=device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -7,6 +7,13 @@ decode share the step. When the pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed later (its cached blocks usually survive
 in the prefix cache, so the recompute is cheap).
+
+Pipelined scheduling: `advance` accounts for a launched step at once, giving
+each request that samples in it a PLACEHOLDER token, so the next step can be
+scheduled (and its inputs built) while the device still runs this one;
+`resolve` later puts the sampled tokens in and applies the stop rules. A
+request that turns out to have stopped has run one step too many, whose token
+is dropped. `update` is the two back to back, for a step that has finished.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from engine.attention.metadata import MaskSpec
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 
@@ -37,6 +44,7 @@ class ScheduledRequest:
     generator: torch.Generator | None
     history: list[int]  # the request's tokens so far (shared, not copied)
     banned: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
+    pending_index: int = -1  # where advance() put this step's sampled token in the request's tokens
 
     @property
     def is_decode(self) -> bool:
@@ -116,6 +124,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._surely_done(req):
+                i += 1  # its pending token is its last: resolve() finishes it
+                continue
             num_new = chunk_size(req, req.num_computed_tokens, budget, self.grid)
             if num_new <= 0:
                 i += 1
@@ -199,29 +210,51 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[FinishedStep]:
         """Advance computed tokens, append sampled tokens, and finish requests that hit a limit."""
-        steps: list[FinishedStep] = []
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """A step was launched: count its rows as computed and hold a PLACEHOLDER for each token it samples."""
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.is_finished:
-                continue  # aborted while the step ran
+                continue  # aborted since it was scheduled
             req.num_computed_tokens += len(s.token_ids)
             self.kv.register_full_blocks(req)
+            if s.sample:
+                req.token_ids.append(PLACEHOLDER)
+                req.num_pending += 1
+                s.pending_index = len(req.token_ids) - 1
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[FinishedStep]:
+        """Put an advanced step's sampled tokens in place and finish requests that hit a limit."""
+        steps: list[FinishedStep] = []
+        for s in out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.is_finished or s.pending_index < 0:
+                continue  # finished while the step ran (abort, stop string, a stop token one step earlier)
             token = sampled.get(s.request_id)
-            if token is None:
-                continue
-            req.token_ids.append(token)
-            reason = self._stop_reason(req, token)
+            if token is None:  # the runner samples every row it was asked to: a bug, not an input
+                raise RuntimeError(f"no sampled token for {s.request_id!r}, which sampled in this step")
+            req.token_ids[s.pending_index] = token
+            req.num_pending -= 1
+            reason = self._stop_reason(req, token, s.pending_index + 1)
             if reason is not None:
                 self.finish(req, reason)
             steps.append(FinishedStep(req, token, reason is not None))
         return steps
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _surely_done(self, req: Request) -> bool:
+        """Whether the request's pending tokens already reach its length limits."""
+        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
+
+    def _stop_reason(self, req: Request, token: int, num_tokens: int) -> str | None:
+        """Why the request stops at `token`, its token number `num_tokens` (None: it goes on)."""
         if token in req.stop_token_ids:
             return "stop"
-        if req.num_output_tokens >= req.params.max_tokens:
+        if num_tokens - req.num_prompt_tokens >= req.params.max_tokens:
             return "length"
-        if req.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -234,6 +267,9 @@ class Scheduler:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
         self.kv.free(req)
+        if req.num_pending:  # tokens of steps still running, which the request will not get
+            del req.token_ids[len(req.token_ids) - req.num_pending:]
+            req.num_pending = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self._finished_ids.append(req.request_id)

@@ -128,6 +128,10 @@ class ExecutionConfig(_Section):
     num_buckets: Annotated[int, msgspec.Meta(ge=1, le=16)] = 5
     deterministic: bool = False
     num_threads: PositiveInt | None = None
+    # GPU only: decode steps replayed from CUDA graphs per batch-size bucket.
+    cuda_graphs: bool = True
+    # Pipelined scheduling (build step N+1 while the device runs step N); null: on for CUDA, off on the CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size <= self.max_num_seqs, "max_batch_size",
@@ -410,6 +414,8 @@ class ServiceConfig(_Section):
                 cache_bits=quant.cache_bits,
                 kv_fp_window=quant.kv_fp_window,
                 num_threads=execution.num_threads,
+                cuda_graphs=execution.cuda_graphs,
+                async_scheduling=execution.async_scheduling,
             )
         except RequestError as exc:
             raise ConfigError(f"the engine rejected the configuration: {exc}") from None

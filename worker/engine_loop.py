@@ -94,6 +94,10 @@ class EngineLoop:
                     outputs = self._fail_all(exc)
                 last_step_end = time.perf_counter()
                 stats = engine.last_stats
+                if stats.device_idle_s is not None:
+                    # On a GPU the engine measures the device's own idle time before the step (CUDA
+                    # events): the loop's wait plus whatever host work the pipeline did not hide.
+                    stall = stats.device_idle_s
                 self.running, self.waiting = stats.num_running, stats.num_waiting
                 self._deliver(EngineEvent(outputs, errors, stats, engine.take_kv_events(), stall))
         except BaseException as exc:  # pragma: no cover - reported through `failed`

@@ -150,7 +150,7 @@ class WorkerMetrics:
         )
         self.pipeline_stall = Histogram(
             "infinilm_pipeline_stall",
-            "Seconds the compute loop waited, per engine step, while work was pending.",
+            "Seconds the compute loop (on a GPU: the device) waited, per engine step, while work was pending.",
             buckets=PIPELINE_STALL_BUCKETS,
             registry=r,
         )

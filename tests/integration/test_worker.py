@@ -20,9 +20,11 @@ from worker.client import TopicReader
 pytestmark = pytest.mark.integration
 
 
-def test_mixed_json_and_msgpack_requests_get_exactly_one_result_each(worker_setup, kafka_bootstrap):
+@pytest.mark.parametrize("pipelined", [None, True], ids=["default", "pipelined"])
+def test_mixed_json_and_msgpack_requests_get_exactly_one_result_each(worker_setup, kafka_bootstrap, pipelined):
+    # "pipelined" forces the engine's pipelined scheduling (the GPU default) on this CPU worker.
     topics, start = worker_setup
-    w = start()
+    w = start(execution={"async_scheduling": pipelined})
     w.wait_ready()
     reqs = [chat(f"r{i}", f"question number {i}") for i in range(40)]
     sends = [(topics.chat, r, "json" if i % 2 else "msgpack") for i, r in enumerate(reqs)]

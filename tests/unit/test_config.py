@@ -341,7 +341,8 @@ def test_engine_config_mapping(tmp_path):
     assert load_config(None, env={}).engine_config() == EngineConfig(max_cache_ratio=0.4)
     text = (
         "model: {name: /models/qwen, dtype: bfloat16, device: 'cuda:1', max_seq_len: 8192}\n"
-        "execution: {max_num_seqs: 32, max_num_batched_tokens: 4096, num_threads: 4}\n"
+        "execution: {max_num_seqs: 32, max_num_batched_tokens: 4096, num_threads: 4, cuda_graphs: false,"
+        " async_scheduling: true}\n"
         "memory: {block_size: 32, enable_prefix_caching: false, kv_cache_bytes: 1GiB, max_cache_ratio: 0.5}\n"
         "quantization: {weight_bits: 8, cache_bits: 8}\n"
     )
@@ -350,6 +351,7 @@ def test_engine_config_mapping(tmp_path):
         model="/models/qwen", dtype="bfloat16", device="cuda:1", max_model_len=8192, max_num_seqs=32,
         max_num_batched_tokens=4096, block_size=32, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30,
         max_cache_ratio=0.5, kv_cache_policy="lru", weight_bits=8, cache_bits=8, num_threads=4,
+        cuda_graphs=False, async_scheduling=True,
     )
 
 
