@@ -1,8 +1,10 @@
 """Triton kernels for paged attention on the GPU (and on the CPU under TRITON_INTERPRET=1 in tests).
 
-- `paged_decode`: one program per (sequence, KV head); the G query heads of the
-  group share each K/V block they read; online softmax over the blocks of the
-  sequence's block table.
+- `paged_decode`: one program per (sequence, KV head, split); the G query heads
+  of the group share each K/V block they read; online softmax over the blocks
+  of the sequence's block table, 64 tokens per iteration. When batch x KV heads
+  is too small to fill the GPU, a sequence's blocks are split among programs
+  and a second kernel merges the partial softmaxes (flash-decoding).
 - `paged_prefill`: one program per (span, query tile, head); keys come from the
   paged cache (the span's new K/V is written there first), and the mask policy
   of the span (causal, chunk_bidirectional, prefix_bidirectional,
@@ -12,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -20,16 +24,26 @@ POLICY_IDS = {"causal": 0, "chunk_bidirectional": 1, "prefix_bidirectional": 2, 
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, scale,
+def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, scale, blocks_per_split,
                    s_qb, s_qh, s_kv, s_blk, s_tok, s_head, s_bt, s_ob, s_oh,
                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BS: tl.constexpr, PRECISION: tl.constexpr):
+                   BS: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """One (sequence, KV head, split): the split's blocks of the sequence, PAGES blocks per iteration.
+
+    Without SPLIT the one split is the whole sequence and the output is written normalised; with it
+    the unnormalised accumulator and its (max, sum) go to the partials for _decode_reduce_kernel.
+    """
     b = tl.program_id(0)
     kh = tl.program_id(1)
+    split = tl.program_id(2)
+    nsplit = tl.num_programs(2)
     seq_len = tl.load(lens_ptr + b)
+    num_blocks = tl.cdiv(seq_len, BS)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, num_blocks)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    offs_t = tl.arange(0, BS)
+    offs_t = tl.arange(0, PAGES * BS)
     gmask = offs_g < G
     dmask = offs_d < D
     heads = kh * G + offs_g
@@ -38,13 +52,15 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, scale,
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for j in range(0, tl.cdiv(seq_len, BS)):
-        block = tl.load(bt_ptr + b * s_bt + j)
+    for j in range(first, last, PAGES):
+        page = j + offs_t // BS
         tok = j * BS + offs_t
         tmask = tok < seq_len
-        base = kv_ptr + block * s_blk + offs_t[:, None] * s_tok + kh * s_head + offs_d[None, :]
-        k = tl.load(base, mask=tmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(base + s_kv, mask=tmask[:, None] & dmask[None, :], other=0.0)
+        block = tl.load(bt_ptr + b * s_bt + page, mask=page < last, other=0)
+        base = kv_ptr + block[:, None] * s_blk + (offs_t % BS)[:, None] * s_tok + kh * s_head + offs_d[None, :]
+        kvmask = tmask[:, None] & dmask[None, :]
+        k = tl.load(base, mask=kvmask, other=0.0)
+        v = tl.load(base + s_kv, mask=kvmask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -53,25 +69,94 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, scale,
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gmask[:, None] & dmask[None, :])
+    omask = gmask[:, None] & dmask[None, :]
+    if SPLIT:
+        row = (b * tl.num_programs(1) * G + heads) * nsplit + split  # [G_PAD]: partial rows of these heads
+        tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=omask)
+        tl.store(ml_ptr + row * 2, m, mask=gmask)
+        tl.store(ml_ptr + row * 2 + 1, denom, mask=gmask)
+    else:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=omask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, nsplit, s_ob, s_oh,
+                          D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Merge the splits of one (sequence, head): rescale each to the common max, then normalise."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    smask = offs_s < nsplit
+    row = (b * tl.num_programs(1) + h) * nsplit + offs_s
+    m = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
+    denom = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # empty splits weigh nothing
+    acc = tl.load(part_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def decode_splits(batch: int, kv_heads: int, max_blocks: int, pages: int, device: torch.device) -> tuple[int, int]:
+    """(splits, blocks per split) for a decode launch.
+
+    Below about two programs per multiprocessor (small batches, few KV heads) each sequence's blocks
+    are split among programs, flash-decoding style, so that enough KV reads are in flight to keep
+    memory busy; the split depends only on shapes, so it stays fixed inside a captured CUDA graph.
+    """
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    programs = batch * kv_heads
+    chunks = triton.cdiv(max_blocks, pages)  # iterations a single program would run
+    if programs >= 2 * sms or chunks < 2:
+        return 1, max_blocks
+    splits = min(triton.cdiv(2 * sms, programs), chunks, 64)
+    per_split = triton.cdiv(chunks, splits) * pages
+    return triton.cdiv(max_blocks, per_split), per_split
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D]."""
+                 scale: float, splits: int | None = None, pages: int | None = None) -> torch.Tensor:
+    """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D].
+
+    `splits` (programs per sequence and KV head, at most) and `pages` (blocks per iteration) are for
+    tests; None picks them from the shapes.
+    """
     b, h, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     g = h // kvh
+    max_blocks = block_tables.shape[1]
+    pages = pages or max(1, 64 // bs)  # 64 tokens per iteration
+    if splits is None:
+        splits, per_split = decode_splits(b, kvh, max_blocks, pages, q.device)
+    else:
+        per_split = triton.cdiv(triton.cdiv(max_blocks, splits), pages) * pages
+        splits = triton.cdiv(max_blocks, per_split)
+    d_pad = max(16, triton.next_power_of_2(d))
     out = torch.empty_like(q)
-    _decode_kernel[(b, kvh)](
-        q, kv_cache, block_tables, seq_lens, out, scale,
+    if splits > 1:
+        partials = torch.empty(b * h * splits, d_pad, dtype=torch.float32, device=q.device)
+        ml = torch.empty(b * h * splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        partials = ml = out  # unused
+    _decode_kernel[(b, kvh, splits)](
+        q, kv_cache, block_tables, seq_lens, out, partials, ml, scale, per_split,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs,
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs, PAGES=pages, SPLIT=splits > 1,
         PRECISION=_precision(kv_cache),
     )
+    if splits > 1:
+        _decode_reduce_kernel[(b, h)](partials, ml, out, splits, out.stride(0), out.stride(1),
+                                      D=d, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(splits)))
     return out
 
 

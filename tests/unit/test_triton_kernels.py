@@ -112,3 +112,30 @@ def test_fused_add_rms_norm_and_silu_mul_match_torch():
     torch.testing.assert_close(out_nores, F.rms_norm(x, (48,), w, 1e-6), atol=1e-5, rtol=1e-5)
     gu = torch.randn(4, 2 * 40)
     torch.testing.assert_close(silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("splits", "pages"), [(1, 4), (2, 4), (3, 1), (5, 1), (7, 2)])
+def test_split_paged_decode_matches_dense(splits, pages):
+    """The flash-decoding split (a sequence's blocks over several programs, merged after) changes nothing,
+    including splits that get no blocks of a short sequence."""
+    torch.manual_seed(3)
+    kv = torch.randn(2, NB, BS, KVH, D)
+    tables = torch.tensor([[3, 7, 1, 4, 10, 6, 8], [5, 0, 0, 0, 0, 0, 0], [9, 2, 11, 0, 0, 0, 0]])
+    lens = torch.tensor([103, 9, 40])
+    q = torch.randn(3, H, D)
+    out = paged_decode(q, kv, tables, lens, D**-0.5, splits=splits, pages=pages)
+    for b in range(3):
+        k, v = gather_kv(kv, tables[b:b + 1])
+        n = int(lens[b])
+        ref = dense(q[b:b + 1], k[0, :n], v[0, :n], torch.ones(1, n, dtype=torch.bool))
+        torch.testing.assert_close(out[b], ref[0], atol=1e-5, rtol=0)
+
+
+def test_decode_splits_fill_the_device_only_when_needed():
+    from engine.attention.triton_kernels import decode_splits
+
+    cpu = torch.device("cpu")  # counts as 4 multiprocessors
+    assert decode_splits(64, 8, 70, 4, cpu) == (1, 70)  # enough programs already
+    splits, per_split = decode_splits(1, 2, 70, 4, cpu)
+    assert splits == 4 and per_split % 4 == 0 and splits * per_split >= 70 > (splits - 1) * per_split
+    assert decode_splits(1, 2, 3, 4, cpu) == (1, 3)  # one iteration's worth of blocks: nothing to split
