@@ -203,9 +203,11 @@ class ModelRunner:
                 pos_chunks.append(rows)
             else:
                 pos_chunks.append(mask_positions(s.mask, torch.from_numpy(rows)).numpy())
+            span_table = table[: -(-(s.start + n) // bs)]
             spans.append(PrefillSpan(
                 token_start=len(ids) - n, num_tokens=n, num_cached=s.start,
-                block_table=torch.from_numpy(table[: -(-(s.start + n) // bs)]).to(self.device), mask=s.mask,
+                block_table=torch.from_numpy(span_table).to(self.device), mask=s.mask,
+                block_ids=span_table.tolist(),
             ))
         meta = AttentionMetadata(
             slot_mapping=self._upload(np.concatenate(slot_chunks)),

@@ -9,12 +9,15 @@ when `block_size` is one.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import write_kv
-from engine.attention.triton_kernels import paged_prefill
+from engine.attention.triton_kernels import PrefillLaunch, paged_prefill, prefill_launch
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -52,20 +55,37 @@ class FlashAttentionBackend(AttentionBackend):
                 softmax_scale=self.scale, causal=True,
             )
             out[:nd] = o.squeeze(1)
-        plain = [s for s in meta.prefills if s.mask.is_causal and s.num_cached == 0]
-        other = [s for s in meta.prefills if not (s.mask.is_causal and s.num_cached == 0)]
-        if plain:
-            starts = [0]
-            for s in plain:
-                starts.append(starts[-1] + s.num_tokens)
-            idx = torch.cat([torch.arange(s.token_start, s.token_start + s.num_tokens, device=q.device) for s in plain])
-            cu = torch.tensor(starts, dtype=torch.int32, device=q.device)
-            longest = max(s.num_tokens for s in plain)
-            o = self._varlen(q[idx], k[idx], v[idx], cu, cu, longest, longest, softmax_scale=self.scale, causal=True)
-            out[idx] = o
-        if other:
-            o = paged_prefill(q, kv_cache, other, self.scale)
-            for s in other:
-                sl = slice(s.token_start, s.token_start + s.num_tokens)
-                out[sl] = o[sl]
+        if meta.prefills:
+            # Worked out once per step, on the host, and kept for the other layers.
+            plan = meta.backend_cache.get(self.name)
+            if plan is None:
+                plan = meta.backend_cache[self.name] = _plan(meta.prefills, q.device)
+            if plan.rows is not None:
+                o = self._varlen(q[plan.rows], k[plan.rows], v[plan.rows], plan.cu, plan.cu, plan.longest,
+                                 plan.longest, softmax_scale=self.scale, causal=True)
+                out[plan.rows] = o
+            if plan.paged:
+                paged_prefill(q, kv_cache, plan.paged, self.scale, launch=plan.launch, out=out)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+@dataclass
+class _PrefillPlan:
+    rows: torch.Tensor | None  # flat rows of the fresh causal spans, in span order
+    cu: torch.Tensor | None  # their cumulative lengths (int32), as flash-attn's varlen entry takes them
+    longest: int
+    paged: list[PrefillSpan]
+    launch: PrefillLaunch | None
+
+
+def _plan(spans: list[PrefillSpan], device: torch.device) -> _PrefillPlan:
+    plain = [s for s in spans if s.mask.is_causal and s.num_cached == 0]
+    paged = [s for s in spans if not (s.mask.is_causal and s.num_cached == 0)]
+    rows = cu = None
+    if plain:
+        rows = torch.tensor([r for s in plain for r in range(s.token_start, s.token_start + s.num_tokens)],
+                            device=device)
+        cu = torch.tensor(list(itertools.accumulate((s.num_tokens for s in plain), initial=0)), dtype=torch.int32,
+                          device=device)
+    return _PrefillPlan(rows, cu, max((s.num_tokens for s in plain), default=0), paged,
+                        prefill_launch(paged, device) if paged else None)

@@ -74,6 +74,9 @@ class PrefillSpan:
     num_cached: int  # rows of this sequence already in the cache before the chunk
     block_table: torch.Tensor  # [num_blocks] int64, enough blocks for num_cached + num_tokens
     mask: MaskSpec = CAUSAL
+    # The same block ids on the host (the runner sets them), so GPU backends can build their launch
+    # tables without reading block_table back from the device.
+    block_ids: list[int] | None = None
 
     @property
     def kv_len(self) -> int:
@@ -90,3 +93,6 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # An int8 KV cache's full-precision window of recent rows (kv_fp_window > 0), else None.
     kv_window: KVWindowMetadata | None = None
+    # What a backend derives from this metadata once per step and reuses in every layer (the GPU
+    # backends' launch tables), by backend name.
+    backend_cache: dict[str, object] = field(default_factory=dict)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -232,36 +233,52 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, block_m: int = 16) -> torch.Tensor:
+@dataclass
+class PrefillLaunch:
+    """The device tables of one paged_prefill launch; built once per step, reused by every layer."""
+
+    meta: torch.Tensor  # [spans, 7] int32: token_start, num_tokens, num_cached, policy, start, end, segments
+    tables: torch.Tensor  # [spans, max blocks] int32
+    segs: torch.Tensor  # [spans, max segments] int32
+    tiles: int  # query tiles of the longest span
+    block_m: int
+    nseg_pad: int
+
+
+def prefill_launch(spans, device: torch.device, block_m: int = 16) -> PrefillLaunch:
+    """Pack the spans' parameters on the host (from their host block ids where set) and copy them over once."""
+    tables_host = [s.block_ids if s.block_ids is not None else s.block_table.tolist() for s in spans]
+    seg_host = [s.mask.segment_starts or (s.mask.start,) for s in spans]
+    max_blocks = max(len(t) for t in tables_host)
+    max_segs = max(len(g) for g in seg_host)
+    meta = torch.tensor([[s.token_start, s.num_tokens, s.num_cached, POLICY_IDS[s.mask.policy], s.mask.start,
+                          s.mask.end, len(g)] for s, g in zip(spans, seg_host, strict=True)], dtype=torch.int32)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables_host], dtype=torch.int32)
+    segs = torch.tensor([list(g) + [0] * (max_segs - len(g)) for g in seg_host], dtype=torch.int32)
+    return PrefillLaunch(meta.to(device), tables.to(device), segs.to(device),
+                         max(triton.cdiv(s.num_tokens, block_m) for s in spans), block_m,
+                         max(16, triton.next_power_of_2(max_segs)))
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, block_m: int = 16,
+                  launch: PrefillLaunch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for every prefill span; q: [T, H, D] (rows of the spans), K/V already in the cache.
 
-    Returns [T, H, D]; rows outside the spans are left unset.
+    Returns `out` (a new [T, H, D] tensor when None) with the spans' rows written; other rows are left
+    as they were. `launch` is prefill_launch(spans) when the caller keeps it across layers.
     """
     _, h, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
-    device = q.device
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if not spans:
         return out
-    max_blocks = max(len(s.block_table) for s in spans)
-    max_segs = max(max(len(s.mask.segment_starts), 1) for s in spans)
-    meta = torch.zeros(len(spans), 7, dtype=torch.int32)
-    tables = torch.zeros(len(spans), max_blocks, dtype=torch.int32)
-    segs = torch.zeros(len(spans), max_segs, dtype=torch.int32)
-    for i, s in enumerate(spans):
-        seg_starts = s.mask.segment_starts or (s.mask.start,)
-        meta[i] = torch.tensor([s.token_start, s.num_tokens, s.num_cached, POLICY_IDS[s.mask.policy],
-                                s.mask.start, s.mask.end, len(seg_starts)], dtype=torch.int32)
-        tables[i, :len(s.block_table)] = s.block_table.to(torch.int32).cpu()
-        segs[i, :len(seg_starts)] = torch.tensor(seg_starts, dtype=torch.int32)
-    meta, tables, segs = meta.to(device), tables.to(device), segs.to(device)
-    tiles = max(triton.cdiv(s.num_tokens, block_m) for s in spans)
-    _prefill_kernel[(len(spans), tiles, h)](
-        q, kv_cache, out, meta, tables, segs, scale,
+    launch = launch if launch is not None else prefill_launch(spans, q.device, block_m)
+    _prefill_kernel[(len(spans), launch.tiles, h)](
+        q, kv_cache, out, launch.meta, launch.tables, launch.segs, scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        out.stride(0), out.stride(1), tables.stride(0), segs.stride(0),
-        G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=block_m,
-        NSEG_PAD=max(16, triton.next_power_of_2(max_segs)), PRECISION=_precision(kv_cache),
+        out.stride(0), out.stride(1), launch.tables.stride(0), launch.segs.stride(0),
+        G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=launch.block_m,
+        NSEG_PAD=launch.nseg_pad, PRECISION=_precision(kv_cache),
     )
     return out
 

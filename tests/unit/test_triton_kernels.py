@@ -139,3 +139,71 @@ def test_decode_splits_fill_the_device_only_when_needed():
     splits, per_split = decode_splits(1, 2, 70, 4, cpu)
     assert splits == 4 and per_split % 4 == 0 and splits * per_split >= 70 > (splits - 1) * per_split
     assert decode_splits(1, 2, 3, 4, cpu) == (1, 3)  # one iteration's worth of blocks: nothing to split
+
+
+def _fake_flash_attn(monkeypatch):
+    """A stand-in for the flash_attn package with its two entry points written in torch (same
+    arguments and layouts), so the flash backend's own plumbing is tested without a GPU."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=causal,
+                scale=softmax_scale, enable_gqa=True).transpose(0, 1)
+        return out
+
+    def with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
+        kv = torch.stack([k_cache, v_cache])
+        k, v = gather_kv(kv, block_table.long())
+        outs = []
+        for i, n in enumerate(cache_seqlens.tolist()):
+            outs.append(F.scaled_dot_product_attention(
+                q[i].transpose(0, 1), k[i, :n].transpose(0, 1), v[i, :n].transpose(0, 1), scale=softmax_scale,
+                enable_gqa=True).transpose(0, 1))
+        return torch.stack(outs)
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_varlen_func, module.flash_attn_with_kvcache = varlen, with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_gpu_backends_match_the_torch_backend_on_a_mixed_step(backend, monkeypatch):
+    """Decodes, a long fresh prompt (torch SDPA or flash varlen), a short fresh prompt, a chunk after a
+    cached prefix and a masked chunk in one step, through every layer's cached launch plan."""
+    from engine.attention.backend import select_backend
+    from engine.attention.metadata import AttentionMetadata
+
+    if backend == "flash_attn":
+        _fake_flash_attn(monkeypatch)
+    torch.manual_seed(4)
+    nb = 64
+    kv_ref = torch.randn(2, nb, BS, KVH, D)
+    lens = [300, 7, 20, 30]
+    cached = [0, 0, 16, 0]
+    masks = [MaskSpec(), MaskSpec(), MaskSpec(), MaskSpec("chunk_bidirectional", start=10, end=25)]
+    decode_tables = torch.tensor([[40, 41, 42], [43, 0, 0]])
+    decode_lens = torch.tensor([35, 3])
+    tables = [list(range(0, 19)), [20], [21, 22], [23, 24]]
+    spans, start = [], 2  # two decode rows first
+    for n, c, m, t in zip(lens, cached, masks, tables, strict=True):
+        spans.append(PrefillSpan(start, n - c, c, torch.tensor(t), m, block_ids=t))
+        start += n - c
+    slots = [40 * BS + 34, 43 * BS + 2] + [t[r // BS] * BS + r % BS for s, t in zip(spans, tables, strict=True)
+                                            for r in range(s.num_cached, s.kv_len)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=2, decode_block_tables=decode_tables,
+                             decode_seq_lens=decode_lens, decode_max_len=35, prefills=spans)
+    q, k, v = torch.randn(start, H, D), torch.randn(start, KVH, D), torch.randn(start, KVH, D)
+    reference = select_backend("torch", torch.device("cpu"), H, KVH, D)
+    want = reference.forward(q, k, v, kv_ref.clone(), meta)
+    tested = select_backend(backend, torch.device("cpu"), H, KVH, D)
+    for _ in range(2):  # the second call (another layer) reuses the plan the first one made
+        kv = kv_ref.clone()
+        got = tested.forward(q, k, v, kv, meta)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert backend in meta.backend_cache
