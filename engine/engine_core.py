@@ -13,6 +13,7 @@ call then returns step N's outputs, one step later than the synchronous loop.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -41,6 +42,8 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,8 +114,7 @@ class EngineCore:
                 self.model, self.kv_caches, config.block_size, scratch_block=self.layout.num_blocks,
                 max_blocks=-(-self.max_model_len // config.block_size), max_batch=config.max_num_seqs,
                 device=self.device)
-            with torch.inference_mode():
-                self.runner.graphs.capture()
+            self._capture_graphs()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []
         self.pipelined = (config.async_scheduling if config.async_scheduling is not None
@@ -123,6 +125,16 @@ class EngineCore:
         self._ids = itertools.count()
         self._steps = 0
         self.last_stats = EngineStats()
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs; if that fails, serve with eager decode steps rather than not at all."""
+        try:
+            with torch.inference_mode():
+                self.runner.graphs.capture()
+        except Exception:
+            log.warning("CUDA graph capture failed; decode steps run eagerly (slower, same results)",
+                        exc_info=True)
+            self.runner.graphs = None
 
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,

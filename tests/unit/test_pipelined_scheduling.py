@@ -214,3 +214,22 @@ def test_int8_kv_cache_pipelined(tiny_llama, window):
     got = pipe.generate(prompts(), params)
     assert_same_greedy(got, want)
     check_clean(pipe, got)
+
+
+def test_a_failed_graph_capture_leaves_eager_decode_steps(tiny_llama, caplog):
+    """CUDA-graph capture only runs on a GPU; a stand-in whose capture raises shows the engine then serves
+    eagerly (with a warning) instead of failing to start."""
+
+    class BrokenGraphs:
+        def capture(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    llm = make(tiny_llama, True, num_kv_blocks=256)
+    engine = llm.engine
+    engine.runner.graphs = BrokenGraphs()
+    with caplog.at_level("WARNING", logger="engine.engine_core"):
+        engine._capture_graphs()
+    assert engine.runner.graphs is None
+    assert "CUDA graph capture failed" in caplog.text
+    outs = llm.generate(prompts()[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
