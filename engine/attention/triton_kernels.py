@@ -183,7 +183,9 @@ def _allowed(qr, kr, policy, start, end, seg_ptr, nseg, NSEG_PAD: tl.constexpr):
 def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
                     s_qt, s_qh, s_kv, s_blk, s_tok, s_head, s_ot, s_oh, s_bt, s_seg,
                     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, NSEG_PAD: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, PAGES: tl.constexpr, NSEG_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """One (span, tile of BLOCK_M query rows, head), PAGES key blocks per iteration. Keys past what any
+    row of the tile may see (the causal limit, or a bidirectional region's end) are not read."""
     span = tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
@@ -200,21 +202,26 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
         return
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    offs_t = tl.arange(0, BS)
+    offs_t = tl.arange(0, PAGES * BS)
     mmask = offs_m < num_tokens
     dmask = offs_d < D
     q = tl.load(q_ptr + (token_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0).to(kv_ptr.dtype.element_ty)
     rows = num_cached + offs_m  # query rows within the sequence
     kv_len = num_cached + num_tokens
+    hi = num_cached + tl.minimum((tile + 1) * BLOCK_M, num_tokens)  # past the tile's last row, +1
+    hi = tl.where((policy == 1) | (policy == 2), tl.maximum(hi, end), hi)
+    hi = tl.minimum(hi, kv_len)
+    num_blocks = tl.cdiv(hi, BS)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for j in range(0, tl.cdiv(kv_len, BS)):
-        block = tl.load(bt_ptr + span * s_bt + j)
+    for j in range(0, num_blocks, PAGES):
+        page = j + offs_t // BS
+        block = tl.load(bt_ptr + span * s_bt + page, mask=page < num_blocks, other=0)
         kr = j * BS + offs_t
-        kmask = kr < kv_len
-        base = kv_ptr + block * s_blk + offs_t[:, None] * s_tok + kh * s_head + offs_d[None, :]
+        kmask = kr < hi
+        base = kv_ptr + block[:, None] * s_blk + (offs_t % BS)[:, None] * s_tok + kh * s_head + offs_d[None, :]
         k = tl.load(base, mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(base + s_kv, mask=kmask[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -245,8 +252,12 @@ class PrefillLaunch:
     nseg_pad: int
 
 
-def prefill_launch(spans, device: torch.device, block_m: int = 16) -> PrefillLaunch:
-    """Pack the spans' parameters on the host (from their host block ids where set) and copy them over once."""
+def prefill_launch(spans, device: torch.device, block_m: int | None = None) -> PrefillLaunch:
+    """Pack the spans' parameters on the host (from their host block ids where set) and copy them over once.
+
+    `block_m` query rows per program: 64 on a GPU (tensor-core sized tiles), 16 elsewhere (the
+    interpreter the CPU tests run, where small tiles are faster)."""
+    block_m = block_m or (64 if device.type == "cuda" else 16)
     tables_host = [s.block_ids if s.block_ids is not None else s.block_table.tolist() for s in spans]
     seg_host = [s.mask.segment_starts or (s.mask.start,) for s in spans]
     max_blocks = max(len(t) for t in tables_host)
@@ -260,7 +271,7 @@ def prefill_launch(spans, device: torch.device, block_m: int = 16) -> PrefillLau
                          max(16, triton.next_power_of_2(max_segs)))
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, block_m: int = 16,
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, block_m: int | None = None,
                   launch: PrefillLaunch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for every prefill span; q: [T, H, D] (rows of the spans), K/V already in the cache.
 
@@ -278,7 +289,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, 
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1), launch.tables.stride(0), launch.segs.stride(0),
         G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=launch.block_m,
-        NSEG_PAD=launch.nseg_pad, PRECISION=_precision(kv_cache),
+        PAGES=max(1, 64 // bs), NSEG_PAD=launch.nseg_pad, PRECISION=_precision(kv_cache),
     )
     return out
 

@@ -207,3 +207,25 @@ def test_gpu_backends_match_the_torch_backend_on_a_mixed_step(backend, monkeypat
         got = tested.forward(q, k, v, kv, meta)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert backend in meta.backend_cache
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("spec", [
+    MaskSpec(),
+    MaskSpec("chunk_bidirectional", start=30, end=75),
+    MaskSpec("prefix_bidirectional", end=50),
+    MaskSpec("packed_segments", start=25, segment_starts=(25, 40, 88)),
+], ids=lambda s: s.policy)
+def test_paged_prefill_tiles_stop_at_what_their_rows_may_see(spec, block_m):
+    """Several query tiles, several 4-block key pages: each tile reads keys only up to its own limit
+    (causal, or a bidirectional region's end), and the rows still match the dense reference."""
+    torch.manual_seed(5)
+    kv = torch.randn(2, NB, BS, KVH, D)
+    total, cached = 110, 0 if spec.policy == "prefix_bidirectional" else 20
+    table = torch.tensor([8, 3, 11, 0, 5, 9, 1])
+    q = torch.randn(total - cached, H, D)
+    k_all, v_all = gather_kv(kv, table.view(1, -1))
+    span = PrefillSpan(0, total - cached, cached, table, spec)
+    out = paged_prefill(q, kv, [span], D**-0.5, block_m=block_m)
+    ref = dense(q, k_all[0, :total], v_all[0, :total], build_mask(spec, torch.arange(cached, total), total))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
