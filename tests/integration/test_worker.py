@@ -162,9 +162,12 @@ def test_results_keep_flowing_while_redis_is_down(worker_setup, kafka_bootstrap,
 
 
 @pytest.mark.slow
-def test_sigterm_under_load_finishes_or_hands_over_without_loss_or_duplicates(worker_setup, kafka_bootstrap):
+@pytest.mark.parametrize("pipelined", [None, True], ids=["default", "pipelined"])
+def test_sigterm_under_load_finishes_or_hands_over_without_loss_or_duplicates(worker_setup, kafka_bootstrap,
+                                                                              pipelined):
+    # "pipelined": w1's engine has a step in flight whenever it is asked to drain.
     topics, start = worker_setup
-    w1 = start("w1")
+    w1 = start("w1", execution={"async_scheduling": pipelined})
     w1.wait_ready()
     reqs = [chat(f"t{i}", f"graceful shutdown {i}", max_tokens=128) for i in range(60)]
 
