@@ -15,9 +15,13 @@ from worker.client import TopicReader
 pytestmark = pytest.mark.integration
 
 
-def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_setup, kafka_bootstrap):
+PIPELINED = pytest.mark.parametrize("pipelined", [None, True], ids=["default", "pipelined"])
+
+
+@PIPELINED
+def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_setup, kafka_bootstrap, pipelined):
     topics, start = worker_setup
-    w = start(model="smollm2")
+    w = start(model="smollm2", execution={"async_scheduling": pipelined})
     w.wait_ready(timeout=300)
     req = chat("s1", "Count from one to ten in words.", max_tokens=40, stream=True)
 
@@ -45,9 +49,11 @@ def asr(stream: str, seq: int, text: str, rid: str | None = None) -> AsrRequest:
 CHUNKS = ["so the meeting is at ten thirty", "on tuesday in the main conference room", "please bring the budget report"]
 
 
-def test_asr_stream_results_in_seq_order_with_state_in_redis(worker_setup, kafka_bootstrap, redis_url):
+@PIPELINED
+def test_asr_stream_results_in_seq_order_with_state_in_redis(worker_setup, kafka_bootstrap, redis_url, pipelined):
+    # "pipelined": the engine builds each step before the previous one's tokens are known.
     topics, start = worker_setup
-    w = start(model="smollm2")
+    w = start(model="smollm2", execution={"async_scheduling": pipelined})
     w.wait_ready(timeout=300)
     chunks = [asr("st1", i, t) for i, t in enumerate(CHUNKS)]
     # A duplicate of chunk 1, and chunk 5 whose predecessors never come.
