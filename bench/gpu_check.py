@@ -138,12 +138,18 @@ def check_against_hf(path: Path, device: torch.device, dtype: str, prompts: list
 
     from engine import LLM, SamplingParams
 
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
     llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_batched_tokens=512)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5))
+    outs = llm.generate(prompts, params)
     engine = llm.engine
     setup = {"cuda_graphs": engine.runner.graphs is not None, "pipelined": engine.pipelined,
              "attention_backend": engine.model.layers[0].self_attn.backend.name}
     del llm, engine
+    # The same prompts eagerly and synchronously: graphs and pipelining must not change a token.
+    plain = LLM(model=str(path), dtype=dtype, device=str(device), max_num_batched_tokens=512, cuda_graphs=False,
+                async_scheduling=False).generate(prompts, params)
+    setup["same_tokens_without_graphs_and_pipelining"] = sum(
+        a.token_ids == b.token_ids for a, b in zip(outs, plain, strict=True))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     same, within_top5, max_lp_diff = 0, 0, 0.0
     for prompt, out in zip(prompts, outs, strict=True):
