@@ -30,6 +30,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER
 from engine.sampler import DeviceSample, sample_on_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.transfer import to_device
 
 
 @dataclass
@@ -149,7 +150,7 @@ class ModelRunner:
         prompt_logprobs = self._score(hidden, score_rows, score_targets) if score_rows else {}
         if not sampling:
             return StepHandle([], {}, None, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).float()
+        logits = self.model.compute_logits(hidden[to_device(rows, hidden.device)]).float()
         captured = {s.request_id: logits[i].cpu().clone() for i, s in enumerate(sampling)} \
             if self.capture_logits else None
         if any(s.banned for s in sampling):
@@ -171,9 +172,9 @@ class ModelRunner:
         """Log-probabilities of given prompt tokens, a chunk of rows at a time to bound memory."""
         out: dict[str, dict[int, float]] = {}
         for i in range(0, len(rows), chunk):
-            idx = torch.tensor(rows[i:i + chunk], device=hidden.device)
+            idx = to_device(rows[i:i + chunk], hidden.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
-            tokens = torch.tensor([t for _, _, t in targets[i:i + chunk]], device=logprobs.device)
+            tokens = to_device([t for _, _, t in targets[i:i + chunk]], logprobs.device)
             picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
             for (rid, pos, _), lp in zip(targets[i:i + chunk], picked, strict=True):
                 out.setdefault(rid, {})[pos] = lp
@@ -206,7 +207,7 @@ class ModelRunner:
             span_table = table[: -(-(s.start + n) // bs)]
             spans.append(PrefillSpan(
                 token_start=len(ids) - n, num_tokens=n, num_cached=s.start,
-                block_table=torch.from_numpy(span_table).to(self.device), mask=s.mask,
+                block_table=to_device(span_table, self.device), mask=s.mask,
                 block_ids=span_table.tolist(),
             ))
         meta = AttentionMetadata(
@@ -239,18 +240,10 @@ class ModelRunner:
         """Put the previous step's sampled tokens, still on the device, into the PLACEHOLDER rows."""
         if previous is None or previous.sample is None or any(rid not in previous.rows for _, rid in holes):
             raise RuntimeError("a step has placeholder tokens that the previous step did not sample")
-        dst = torch.tensor([row for row, _ in holes], device=self.device)
-        src = torch.tensor([previous.rows[rid] for _, rid in holes], device=self.device)
+        dst = to_device([row for row, _ in holes], self.device)
+        src = to_device([previous.rows[rid] for _, rid in holes], self.device)
         input_ids[dst] = previous.sample.token_ids[src]
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
-        """A step input on the device. On CUDA it is staged in pinned memory and copied without
-        blocking, so building the next inputs overlaps the transfer. The pinned block comes from
-        torch's caching host allocator, which reuses it only once the copy that read it is done
-        (with pipelined scheduling the previous step's copies may still be queued)."""
-        host = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return host
-        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-        staged.copy_(host)
-        return staged.to(self.device, non_blocking=True)
+        """A step input on the device, copied without waiting for the steps queued before it."""
+        return to_device(array, self.device)

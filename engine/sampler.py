@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.transfer import to_device
 
 
 @dataclass
@@ -75,9 +76,9 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
     else:
         chosen = torch.empty(rows, dtype=torch.long, device=device)
         if greedy:
-            idx = torch.tensor(greedy, device=device)
+            idx = to_device(greedy, device)
             chosen[idx] = logits[idx].max(dim=-1).indices
-        idx = torch.tensor(rand, device=device)
+        idx = to_device(rand, device)
         probs = _filtered_probs(logits[idx], [params[i] for i in rand])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row.
         chosen[idx] = (probs / _exponential_noise(probs, [generators[i] for i in rand])).argmax(dim=-1)
@@ -101,13 +102,13 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
         for j, row in enumerate(seeded):
             (host[row] if host is noise else host[j]).exponential_(generator=generators[row])
         if host is not noise:
-            noise[torch.tensor(seeded, device=noise.device)] = host.to(noise.device)
+            noise[to_device(seeded, noise.device)] = to_device(host, noise.device)
     return noise
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+    temps = to_device([p.temperature for p in params], device, logits.dtype).unsqueeze(1)
     logits = logits / temps
     top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_ps = [p.top_p for p in params]
@@ -116,7 +117,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     probs = torch.softmax(logits, dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
-        min_ps = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        min_ps = to_device(min_p, device, probs.dtype).unsqueeze(1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_ps
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -127,11 +128,11 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_ks], device=device).unsqueeze(1)
+    k = to_device([kk if kk > 0 else vocab for kk in top_ks], device).unsqueeze(1)
     drop = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_ps, dtype=probs.dtype, device=device).unsqueeze(1)
+    drop |= mass_before >= to_device(top_ps, device, probs.dtype).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

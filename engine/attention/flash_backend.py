@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import write_kv
 from engine.attention.triton_kernels import PrefillLaunch, paged_prefill, prefill_launch
+from engine.transfer import to_device
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -83,9 +84,7 @@ def _plan(spans: list[PrefillSpan], device: torch.device) -> _PrefillPlan:
     paged = [s for s in spans if not (s.mask.is_causal and s.num_cached == 0)]
     rows = cu = None
     if plain:
-        rows = torch.tensor([r for s in plain for r in range(s.token_start, s.token_start + s.num_tokens)],
-                            device=device)
-        cu = torch.tensor(list(itertools.accumulate((s.num_tokens for s in plain), initial=0)), dtype=torch.int32,
-                          device=device)
+        rows = to_device([r for s in plain for r in range(s.token_start, s.token_start + s.num_tokens)], device)
+        cu = to_device(list(itertools.accumulate((s.num_tokens for s in plain), initial=0)), device, torch.int32)
     return _PrefillPlan(rows, cu, max((s.num_tokens for s in plain), default=0), paged,
                         prefill_launch(paged, device) if paged else None)

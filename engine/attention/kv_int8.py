@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.transfer import to_device
+
 KV_SCALE_DTYPE = torch.float16
 _SCALE_MIN = float(torch.finfo(torch.float16).tiny)  # rows smaller than 127 * this round to 0
 _SCALE_MAX = float(torch.finfo(torch.float16).max)
@@ -108,7 +110,7 @@ def read_ring(cache: Int8KVCache, slot: int, rows: range) -> tuple[torch.Tensor,
     """Rows of one sequence's ring, as [len(rows), kv_heads, head_dim] copies."""
     ring = cache.window
     w = ring.shape[2]
-    idx = torch.tensor([slot * w + r % w for r in rows], dtype=torch.long, device=ring.device)
+    idx = to_device([slot * w + r % w for r in rows], ring.device, torch.long)
     flat = ring.view(2, -1, *ring.shape[3:])
     return flat[0].index_select(0, idx), flat[1].index_select(0, idx)
 
@@ -151,14 +153,13 @@ class KVWindowSlots:
             offset += n
         meta = KVWindowMetadata(
             size=w,
-            write_rows=torch.tensor(rows, dtype=torch.long, device=device),
-            write_index=torch.tensor(index, dtype=torch.long, device=device),
+            write_rows=to_device(rows, device, torch.long),
+            write_index=to_device(index, device, torch.long),
             span_slots=[self._slot[s.request_id] for s in prefills],
             span_ring_start=[self._ring_start[s.request_id] for s in prefills],
         )
         if decodes:
-            meta.decode_slots = torch.tensor([self._slot[s.request_id] for s in decodes], dtype=torch.long,
-                                             device=device)
-            meta.decode_lo = torch.tensor([max(s.start + 1 - w, self._ring_start[s.request_id]) for s in decodes],
-                                          dtype=torch.long, device=device)
+            meta.decode_slots = to_device([self._slot[s.request_id] for s in decodes], device, torch.long)
+            meta.decode_lo = to_device([max(s.start + 1 - w, self._ring_start[s.request_id]) for s in decodes],
+                                       device, torch.long)
         return meta

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import MaskSpec
+from engine.transfer import to_device
 
 
 def build_mask(spec: MaskSpec, q_rows: torch.Tensor, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -25,7 +26,7 @@ def build_mask(spec: MaskSpec, q_rows: torch.Tensor, kv_len: int, device: torch.
     if spec.policy == "prefix_bidirectional":
         return causal | ((q < spec.end) & (k < spec.end))
     if spec.policy == "packed_segments":
-        starts = torch.tensor(spec.segment_starts or (spec.start,), device=k.device)
+        starts = to_device(spec.segment_starts or (spec.start,), k.device)
         q_seg = torch.searchsorted(starts, q, right=True) - 1  # -1: shared prefix
         k_seg = torch.searchsorted(starts, k, right=True) - 1
         shared_prefix = k < spec.start
@@ -38,7 +39,7 @@ def mask_positions(spec: MaskSpec, rows: torch.Tensor) -> torch.Tensor:
     """RoPE positions for rows: packed segments restart after the shared prefix."""
     if spec.policy != "packed_segments":
         return rows
-    starts = torch.tensor(spec.segment_starts or (spec.start,), device=rows.device)
+    starts = to_device(spec.segment_starts or (spec.start,), rows.device)
     seg = torch.searchsorted(starts, rows, right=True) - 1
     seg_start = starts[seg.clamp(min=0)]
     return torch.where(rows >= spec.start, spec.start + rows - seg_start, rows)

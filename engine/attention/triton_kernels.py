@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.transfer import to_device
+
 POLICY_IDS = {"causal": 0, "chunk_bidirectional": 1, "prefix_bidirectional": 2, "packed_segments": 3}
 
 
@@ -266,7 +268,7 @@ def prefill_launch(spans, device: torch.device, block_m: int | None = None) -> P
                           s.mask.end, len(g)] for s, g in zip(spans, seg_host, strict=True)], dtype=torch.int32)
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables_host], dtype=torch.int32)
     segs = torch.tensor([list(g) + [0] * (max_segs - len(g)) for g in seg_host], dtype=torch.int32)
-    return PrefillLaunch(meta.to(device), tables.to(device), segs.to(device),
+    return PrefillLaunch(to_device(meta, device), to_device(tables, device), to_device(segs, device),
                          max(triton.cdiv(s.num_tokens, block_m) for s in spans), block_m,
                          max(16, triton.next_power_of_2(max_segs)))
 
