@@ -595,13 +595,13 @@ class Worker:
                 # Fenced: another worker has set the partition up, so this one is a zombie that
                 # will be told by the next rebalance; in case the fencer was the zombie, this
                 # worker sets the partition up again if no rebalance comes first.
-                log.warning("partition lost to another worker", partition=str(tp))
-                self._drop_partition(tp)
+                dropped = self._drop_partition(tp)
+                log.warning("partition lost to another worker", partition=str(tp), dropped_in_flight=dropped)
                 self._await_setup(tp, "fenced by another producer", retry_in_s=self._fenced_retry_s())
             elif isinstance(outcome, PartitionResync):
+                dropped = self._drop_partition(tp)
                 log.warning("resyncing partition: its in-flight work is dropped and redone from the committed offset",
-                            partition=str(tp), reason=str(outcome))
-                self._drop_partition(tp)
+                            partition=str(tp), reason=str(outcome), dropped_in_flight=dropped)
                 self._await_setup(tp, "resync after an unknown transaction outcome", retry_in_s=0.0)
             else:
                 if isinstance(outcome, BaseException):
@@ -611,7 +611,9 @@ class Worker:
     async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:
         await self.consumer.commit(offsets)
 
-    def _drop_partition(self, tp: TopicPartition) -> None:
+    def _drop_partition(self, tp: TopicPartition) -> int:
+        """Forget a partition this worker no longer owns; returns how many in-flight requests it dropped
+        (the partition's next owner redoes them from the committed offset)."""
         self.trackers.pop(tp, None)
         for task, task_tp in list(self._prepare_tasks.items()):
             if task_tp == tp:
@@ -621,6 +623,7 @@ class Worker:
             self.inflight[eid].done = True
             self.inflight.pop(eid, None)
         self.engine_loop.abort(lost)
+        return len(lost)
 
     # ---- flow control --------------------------------------------------------
     def _update_pause(self) -> None:
@@ -738,12 +741,13 @@ class Worker:
         if not revoked:
             return
         await self._flush_all(only=list(revoked))
+        dropped = 0
         async with self._setup_lock:  # a set-up in progress must not start a producer after this
             for tp in revoked:
                 self._awaiting_setup.pop(tp, None)
-                self._drop_partition(tp)
+                dropped += self._drop_partition(tp)
             await self.publisher.remove_partitions(list(revoked))
-        log.info("partitions revoked", partitions=sorted(str(tp) for tp in revoked))
+        log.info("partitions revoked", partitions=sorted(str(tp) for tp in revoked), dropped_in_flight=dropped)
 
     def _watchdog(self, now: float) -> None:
         """Log what keeps a partition from progressing: a slow transaction or a set-up that waits."""

@@ -151,6 +151,24 @@ class Fleet:
         logs = {r.process.log_path: r.process for r in self.runs}
         return sum(str(e.get("event", "")).startswith(event) for p in logs.values() for e in p.log_events())
 
+    def shutdowns_that_handed_back_work(self, worker_id: str) -> int:
+        """Shutdowns of `worker_id` that handed in-flight requests back for redelivery: aborted when the
+        drain ran out, or dropped with partitions that a rebalance revoked (or another worker fenced)
+        while it was stopping. Which of the two happens is a race with the group's rebalance."""
+        process = next(r.process for r in self.runs if r.worker_id == worker_id)  # one log file per worker id
+        handed_back, stopping = 0, False
+        for e in process.log_events():
+            event = str(e.get("event", ""))
+            if event == "shutting down":
+                stopping = True
+            elif event == "worker stopped":
+                stopping = False
+            elif stopping and (event.startswith("aborting unfinished requests")
+                               or int(e.get("dropped_in_flight") or 0) > 0):
+                handed_back += 1
+                stopping = False
+        return handed_back
+
     def stop(self, timeout_s: float = 60) -> None:
         """SIGTERM every live worker once and wait; a non-zero exit then counts in crashed().
 

@@ -331,7 +331,12 @@ def sigterm_under_load(site: Site, *, requests: int = 400, workers: int = 3, see
         # The last worker barely waits before aborting, so its in-flight requests must be redelivered.
         hasty = f"w{workers}"
         # 1 ms: with 50 ms the tiny model sometimes finished the request in flight, and nothing was handed back.
-        _start_group(fleet, workers, **{hasty: {"worker": {"shutdown_timeout_s": HASTY_DRAIN_S}}})
+        # It also runs one sequence at a time: the abort comes after the consumer is cancelled (tens of ms),
+        # and two requests running side by side could both finish in that time (seen); with one at a time,
+        # the second of the two it waits for has not started, so it cannot.
+        hasty_config = {"worker": {"shutdown_timeout_s": HASTY_DRAIN_S},
+                        "execution": {"max_num_seqs": 1, "max_batch_size": 1}}
+        _start_group(fleet, workers, **{hasty: hasty_config})
         load = chat_requests("term", requests, seed, max_tokens=max_tokens)
         duration = requests / rate
         moments = sorted(rng.uniform(0.2, 0.7) * duration for _ in range(2))
@@ -348,12 +353,12 @@ def sigterm_under_load(site: Site, *, requests: int = 400, workers: int = 3, see
                 fleet.signal(victim, signal.SIGTERM)
                 done.append({"at_s": round(time.monotonic() - t0, 1), "worker": victim, "answered": ledger.answered})
                 # The replacement joins while the old process drains: the handover under test.
-                overrides = {"worker": {"shutdown_timeout_s": HASTY_DRAIN_S}} if victim == hasty else {}
+                overrides = hasty_config if victim == hasty else {}
                 fleet.start(victim, **overrides)
 
         ledger, wall = asyncio.run(_drive(site, fleet, load, rate, inject, timeout_s))
         failures = [] if len(done) == 2 else [f"only {len(done)} of 2 SIGTERMs happened"]
-        aborted = fleet.log_events("aborting unfinished requests")
+        aborted = fleet.shutdowns_that_handed_back_work(hasty)
         return _finish("SIGTERM under load + restart", f"{requests} chat, {workers} workers",
                        f"2 × SIGTERM (drain 20 s / {HASTY_DRAIN_S * 1000:.0f} ms)", fleet, ledger, wall, failures,
                        {"terms": done, "shutdowns_that_aborted_work": aborted, "seed": seed})
