@@ -80,11 +80,6 @@ class ModelRunner:
             self.kv_window.release([*out.finished_ids, *out.preempted_ids])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """One step, start to finish."""
-        return self.collect(self.launch(out))
-
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: StepHandle | None = None) -> StepHandle:
         """Queue the step's forward pass and sampling; `previous` supplies the tokens of PLACEHOLDER rows."""
         self.release(out)
