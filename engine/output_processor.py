@@ -95,7 +95,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            prompt_token_ids=request.token_ids[:request.num_prompt_tokens],
+            prompt_token_ids=request.prompt_token_ids,
             token_ids=request.output_token_ids,
             text=text if text is not None else (st.text if st else ""),
             new_token_ids=new_ids,

@@ -36,6 +36,9 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)
+        # Handed out with every RequestOutput of this request: one list, built once, never mutated by the
+        # engine (token_ids grows in place), so a step's outputs cost nothing per prompt token.
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.mask = mask

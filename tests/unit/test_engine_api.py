@@ -75,6 +75,20 @@ def test_streamed_text_adds_up_to_the_final_text(llm):
     assert "".join(pieces) == final.text
 
 
+def test_every_step_reports_the_prompt_ids_without_copying_them(llm):
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("the prompt ids of a streamed request")
+    engine.add_request("prompt-ids", list(prompt), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "prompt-ids"]
+    assert len(outs) >= 6 and outs[-1].finished and len(outs[-1].token_ids) == 6
+    assert all(o.prompt_token_ids == prompt for o in outs)
+    # One list for the whole request (not a slice per step), and not the engine's working list,
+    # which grew by the six outputs meanwhile.
+    assert len({id(o.prompt_token_ids) for o in outs}) == 1
+
+
 def test_same_seed_same_tokens_alone_and_in_a_batch(llm):
     seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=42)
     alone = llm.generate(["seeded"], seeded)[0]
