@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 
 from engine import MaskSpec, RequestError, RequestOutput, SamplingParams
@@ -104,7 +105,7 @@ class AsrHandler:
     async def finish(self, req: AsrRequest, prepared: Prepared, outputs: list[RequestOutput],
                      ctx: HandlerContext) -> Result:
         (out,) = outputs
-        corrected = out.text.strip() or req.text.strip()
+        corrected = drop_repeated_context(prepared.state, out.text.strip(), req.text) or req.text.strip()
         committed = f"{prepared.state} {corrected}".strip()
         result = Result(id=req.id, kind="asr", text=corrected, finish_reason=out.finish_reason,
                         stream_id=req.stream_id, seq=req.seq, committed_text=committed,
@@ -124,6 +125,37 @@ class AsrHandler:
         if event is not None:
             event.set()
         return result
+
+
+_WORD = re.compile(r"[\w']+")
+
+
+def _words(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text)]
+
+
+def drop_repeated_context(committed: str, corrected: str, chunk: str) -> str:
+    """`corrected` without a leading restatement of the end of `committed`.
+
+    Small models often answer a chunk with the transcript's last sentence again
+    before the correction ("The meeting is moved to Tuesday at ten ..." for the
+    chunk "at ten ..."); appended as it is, the running transcript would say it
+    twice. Words are compared without case or punctuation. Only the longest
+    run of the corrected chunk's first words that equals the committed text's
+    last words is dropped, and only when the raw chunk does not itself start
+    with those words (a speaker who repeats themselves keeps the repetition).
+    """
+    head = list(_WORD.finditer(corrected))
+    said = _words(committed)
+    heard = _words(chunk)
+    lowered = [m.group().lower() for m in head]
+    for k in range(min(len(lowered), len(said)), 0, -1):
+        if lowered[:k] == said[-k:]:
+            if heard[:k] == lowered[:k]:
+                return corrected
+            rest = corrected[head[k - 1].end():]
+            return rest.lstrip(" \t,;:.!?-").strip()
+    return corrected
 
 
 def _with_id(result: Result, request_id: str) -> Result:
