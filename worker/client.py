@@ -41,6 +41,43 @@ class RequestProducer:
         await self._producer.flush()
 
 
+async def _partitions(consumer: AIOKafkaConsumer, topic: str, attempts: int = 50) -> list[TopicPartition]:
+    """The topic's partitions, waiting up to `attempts` tenths of a second for its metadata."""
+    for _ in range(attempts):
+        # An unassigned consumer's own metadata lacks the topic, and aiokafka has no
+        # public per-topic lookup, so read a fresh full snapshot.
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(topic)
+        if partitions:
+            return [TopicPartition(topic, p) for p in sorted(partitions)]
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"topic {topic!r} does not exist (run `infinilm stack up` to create topics)")
+
+
+async def start_group_at_end(bootstrap_servers: str, group_id: str, topics: Iterable[str],
+                             **kwargs) -> dict[TopicPartition, int]:
+    """Commit, for a consumer group that has no members yet, the topics' current end offsets.
+
+    A new group otherwise starts from the beginning of each partition (the
+    worker's `auto_offset_reset` is "earliest", so a fresh deployment serves
+    the backlog). The demo, which joins with a new group every run, uses this
+    to serve only what it sends itself instead of every earlier run's
+    requests. Offsets already committed for the group are overwritten. Returns
+    the committed offsets.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False,
+                                isolation_level="read_committed", **kwargs)
+    await consumer.start()
+    try:
+        tps = [tp for topic in topics for tp in await _partitions(consumer, topic)]
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        await consumer.commit(ends)
+        return ends
+    finally:
+        await consumer.stop()
+
+
 class TopicReader:
     """Reads a topic from the offsets it had when the reader was started."""
 
@@ -52,19 +89,11 @@ class TopicReader:
 
     async def __aenter__(self) -> TopicReader:
         await self._consumer.start()
-        partitions = None
-        for _ in range(50):
-            # An unassigned consumer's own metadata lacks the topic, and aiokafka has no
-            # public per-topic lookup, so read a fresh full snapshot.
-            cluster = await self._consumer._client.fetch_all_metadata()
-            partitions = cluster.partitions_for_topic(self.topic)
-            if partitions:
-                break
-            await asyncio.sleep(0.1)
-        if not partitions:
+        try:
+            tps = await _partitions(self._consumer, self.topic)
+        except RuntimeError:
             await self._consumer.stop()
-            raise RuntimeError(f"topic {self.topic!r} does not exist (run `infinilm stack up` to create topics)")
-        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+            raise
         self._consumer.assign(tps)
         if self._from_beginning:
             await self._consumer.seek_to_beginning(*tps)

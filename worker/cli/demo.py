@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console(stderr=False)
@@ -49,7 +50,7 @@ async def _demo(cfg, keep_stack: bool) -> None:
 
     from engine.model_registry import resolve_model
     from schemas import AsrRequest, ChatRequest, Message, RiskItem, RiskRequest
-    from worker.client import RequestProducer, TopicReader, collect_results
+    from worker.client import RequestProducer, TopicReader, collect_results, start_group_at_end
     from worker.service import Worker
     from worker.structured_logging import configure_logging
 
@@ -58,10 +59,12 @@ async def _demo(cfg, keep_stack: bool) -> None:
         path = resolve_model(cfg.model.name)
     console.print(f"model: {path}")
     configure_logging("warning", "console")
-    # A demo group of its own, so a worker from an earlier run can't take our partitions.
+    # A demo group of its own, so a worker from an earlier run can't take our partitions. It starts at
+    # the request topics' current end: a new group would otherwise serve every earlier run's requests.
     run_id = uuid.uuid4().hex[:8]
     cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, group_id=f"infinilm-demo-{run_id}"),
                                   metrics=msgspec.structs.replace(cfg.metrics, port=0))
+    await start_group_at_end(cfg.kafka.bootstrap_servers, cfg.kafka.group_id, cfg.topics.request_topics.values())
     with console.status("loading the engine and joining the consumer group..."):
         worker = Worker(cfg, f"demo-{run_id}")
         await worker.start()
@@ -109,7 +112,8 @@ async def _demo(cfg, keep_stack: bool) -> None:
     elapsed = time.perf_counter() - started
 
     table = Table(title="committed results", show_lines=True)
-    for col in ("id", "status", "text / error", "tokens", "ttft ms", "total ms"):
+    table.add_column("id", overflow="fold")  # whole, to grep the results topic for
+    for col in ("status", "text / error", "tokens", "ttft ms", "total ms"):
         table.add_column(col)
     for req in everything:
         res = got.get(req.id, [None])[0]
@@ -117,7 +121,8 @@ async def _demo(cfg, keep_stack: bool) -> None:
             table.add_row(req.id, "[red]missing[/]", "", "", "", "")
             continue
         body = _describe(res)
-        table.add_row(res.id, res.status, body, f"{res.usage.prompt_tokens}+{res.usage.completion_tokens}",
+        # Model text and the [chunk n] / [so far] labels are data, not rich markup.
+        table.add_row(escape(res.id), res.status, escape(body), f"{res.usage.prompt_tokens}+{res.usage.completion_tokens}",
                       f"{res.timing.ttft_ms:.0f}", f"{res.timing.total_ms:.0f}")
     console.print(table)
     console.print(f"dead-letter records for undecodable input: {len(dead)}")
