@@ -26,6 +26,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     ) -> None:
         from engine import EngineConfig, EngineCore, RequestError, SamplingParams
+        from engine.errors import ModelLoadError
+        from engine.model_registry import ModelNotFoundError
 
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -40,6 +42,9 @@ def register(app: typer.Typer) -> None:
                 engine.add_request("cli", prompt, params)
         except RequestError as exc:
             typer.echo(f"error ({exc.code}): {exc}", err=True)
+            raise typer.Exit(2) from exc
+        except (ModelNotFoundError, ModelLoadError, ValueError) as exc:  # GGUFImportError is a ValueError
+            typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         start = time.perf_counter()
         final = None
