@@ -198,3 +198,18 @@ def test_a_request_past_its_deadline_gets_deadline_exceeded(worker_setup, kafka_
     got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, ["late", "in-time"], linger=0.5))
     assert got["late"][0].error.code == "deadline_exceeded"
     assert got["in-time"][0].status == "ok"
+
+
+@pytest.mark.parametrize("problem", ["missing", "broken_config"])
+def test_a_model_that_cannot_load_is_one_cannot_start_event_and_exit_code_2(worker_setup, tmp_path, problem):
+    _, start = worker_setup
+    model = tmp_path / "model"
+    if problem == "broken_config":
+        model.mkdir()
+        (model / "config.json").write_text("{not json")
+    w = start(model=str(model))
+    assert w.wait(timeout=120) == 2, w.logs()[-3000:]
+    [event] = [e for e in w.log_events() if e.get("event") == "cannot start"]
+    assert event["level"] == "error" and event["reason"].startswith(f"model {str(model)!r}: ")
+    assert ("unknown model" if problem == "missing" else "not valid JSON") in event["reason"]
+    assert "Traceback" not in w.logs()

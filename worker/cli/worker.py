@@ -1,6 +1,7 @@
 """`infinilm worker`: run one worker (one consumer-group member) until SIGTERM.
 
-Exit codes: 0 after a clean shutdown, 2 for an invalid configuration, 3 when Kafka or
+Exit codes: 0 after a clean shutdown, 2 for an invalid configuration (a model that cannot
+be found or loaded included), 3 when Kafka or
 Redis refused the worker at start-up (wrong credentials, untrusted certificate,
 unreadable secret file, no broker answering); the log line says which.
 """
@@ -58,9 +59,16 @@ async def _run(cfg, worker_id: str | None, metrics_port: int | None) -> int:
         log.error("cannot start", reason=str(exc))
         return EXIT_NO_ACCESS
 
+    from engine import RequestError
+    from engine.errors import ModelLoadError
+    from engine.model_registry import ModelNotFoundError
     from worker.service import Worker  # loads torch: only once the checks passed
 
-    w = Worker(cfg, wid)
+    try:
+        w = Worker(cfg, wid)  # builds the engine: loads the model, sizes the KV cache
+    except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:  # GGUFImportError: a ValueError
+        log.error("cannot start", reason=f"model {cfg.model.name!r}: {exc}")
+        return EXIT_CONFIG
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, w.stop)
