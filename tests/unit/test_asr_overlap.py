@@ -1,10 +1,10 @@
-"""The ASR handler drops a corrected chunk's restatement of the transcript so far."""
+"""How the ASR handler appends a corrected chunk: without restating the transcript, capitalized after a sentence."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.handlers.asr import drop_repeated_context
+from worker.handlers.asr import capitalize_after_sentence, drop_repeated_context
 
 CASES = [
     # The model restated the last sentence before correcting the chunk (seen in the demo with SmolLM2).
@@ -29,3 +29,15 @@ CASES = [
 @pytest.mark.parametrize(("committed", "corrected", "chunk", "expected"), CASES)
 def test_drop_repeated_context(committed, corrected, chunk, expected):
     assert drop_repeated_context(committed, corrected, chunk) == expected
+
+
+@pytest.mark.parametrize(("committed", "corrected", "expected"), [
+    ("The meeting is moved to Tuesday.", "at ten thirty.", "At ten thirty."),
+    ("Is it Tuesday? ", "yes it is.", "Yes it is."),
+    ("The meeting is moved to Tuesday", "at ten thirty.", "at ten thirty."),  # mid-sentence: as it is
+    ("Done.", "3 items left.", "3 items left."),  # nothing to capitalize
+    ("Done.", "", ""),
+    ("", "good morning.", "good morning."),  # the first chunk is the model's business
+])
+def test_capitalize_after_sentence(committed, corrected, expected):
+    assert capitalize_after_sentence(committed, corrected) == expected

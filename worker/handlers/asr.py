@@ -106,6 +106,7 @@ class AsrHandler:
                      ctx: HandlerContext) -> Result:
         (out,) = outputs
         corrected = drop_repeated_context(prepared.state, out.text.strip(), req.text) or req.text.strip()
+        corrected = capitalize_after_sentence(prepared.state, corrected)
         committed = f"{prepared.state} {corrected}".strip()
         result = Result(id=req.id, kind="asr", text=corrected, finish_reason=out.finish_reason,
                         stream_id=req.stream_id, seq=req.seq, committed_text=committed,
@@ -155,6 +156,18 @@ def drop_repeated_context(committed: str, corrected: str, chunk: str) -> str:
                 return corrected
             rest = corrected[head[k - 1].end():]
             return rest.lstrip(" \t,;:.!?-").strip()
+    return corrected
+
+
+def capitalize_after_sentence(committed: str, corrected: str) -> str:
+    """`corrected` with its first letter upper-cased when `committed` ends a sentence.
+
+    The model corrects each chunk alone and often ends it with a full stop, so a
+    chunk that continues the sentence ("at ten thirty ...") would otherwise follow
+    "Tuesday." in lower case.
+    """
+    if committed.rstrip().endswith((".", "!", "?")) and corrected[:1].islower():
+        return corrected[0].upper() + corrected[1:]
     return corrected
 
 
