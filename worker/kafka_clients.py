@@ -41,6 +41,11 @@ def client_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
     return kwargs
 
 
+def producer_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
+    """client_kwargs plus the producers' own settings (retry_backoff_ms)."""
+    return {**client_kwargs(kafka_cfg, client_id), "retry_backoff_ms": kafka_cfg.producer_retry_backoff_ms}
+
+
 async def check_kafka_access(kafka_cfg, client_id: str = "infinilm-check") -> None:
     """Log in to a bootstrap broker the way the worker's clients will, and read metadata.
 

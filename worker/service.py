@@ -48,7 +48,7 @@ from worker.handlers.asr import AsrHandler
 from worker.handlers.chat import ChatHandler
 from worker.handlers.risk import RiskHandler
 from worker.http import HealthServer
-from worker.kafka_clients import check_kafka_access, client_kwargs
+from worker.kafka_clients import check_kafka_access, client_kwargs, producer_kwargs
 from worker.memory import collect_cycles, freeze_startup_objects
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
@@ -185,7 +185,8 @@ class Worker:
             self.http.start()
         await self._start_redis()
         kwargs = client_kwargs(cfg.kafka, client_id=self.worker_id)
-        self.deltas = DeltaPublisher(kwargs, on_error=lambda: None)
+        to_produce = producer_kwargs(cfg.kafka, client_id=self.worker_id)
+        self.deltas = DeltaPublisher(to_produce, on_error=lambda: None)
         await self.deltas.start()
         self.consumer = AIOKafkaConsumer(
             **kwargs,
@@ -200,11 +201,11 @@ class Worker:
             fetch_max_bytes=max(cfg.kafka.max_message_bytes * 4, 50 << 20),
         )
         if cfg.kafka.delivery == "exactly_once":
-            self.publisher = TransactionalPublisher(kwargs, cfg.kafka.group_id, cfg.kafka.transactional_id_prefix,
+            self.publisher = TransactionalPublisher(to_produce, cfg.kafka.group_id, cfg.kafka.transactional_id_prefix,
                                                     cfg.kafka.transaction_timeout_ms, self.metrics.inc_kafka_transaction,
                                                     publish_timeout_s=cfg.kafka.transaction_timeout_ms / 1000)
         else:
-            self.publisher = AtLeastOncePublisher(kwargs, self._commit_offsets, self.metrics.inc_kafka_transaction)
+            self.publisher = AtLeastOncePublisher(to_produce, self._commit_offsets, self.metrics.inc_kafka_transaction)
             await self.publisher.start()
         self.consumer.subscribe(list(self._kind_topics.values()), listener=_Rebalance(self))
         await self.consumer.start()

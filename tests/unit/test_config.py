@@ -409,3 +409,15 @@ def test_cli_show_masks_secrets(cli, tmp_path):
     assert shown["kafka"]["sasl_password"] == "***"
     assert shown["execution"]["batch_timeout"] == 0.05
     assert PASSWORD not in result.output
+
+
+def test_producers_get_the_configured_retry_backoff_and_consumers_keep_the_default(tmp_path):
+    from worker.kafka_clients import client_kwargs, producer_kwargs
+
+    default = load_config(None, env={}).kafka
+    assert producer_kwargs(default)["retry_backoff_ms"] == 20
+    cfg = load_config(write(tmp_path, "kafka:\n  producer_retry_backoff_ms: 45\n"), env={}).kafka
+    produced = producer_kwargs(cfg, client_id="w1")
+    assert produced == {**client_kwargs(cfg, client_id="w1"), "retry_backoff_ms": 45}
+    assert "retry_backoff_ms" not in client_kwargs(cfg)
+    assert "producer_retry_backoff_ms" in error_of(tmp_path, "kafka:\n  producer_retry_backoff_ms: 0\n")

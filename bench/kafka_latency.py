@@ -1,0 +1,145 @@
+"""Latency the Kafka path adds to one request at a time, for two producer retry backoffs.
+
+Kafka 4 often answers a transaction's first write with a retriable NOT_ENOUGH_REPLICAS
+while the same producer's previous transaction is still completing (KIP-890's check;
+docs/operations.md). The producer retries after `kafka.producer_retry_backoff_ms`. This
+script starts a worker through `infinilm worker` once per setting and round, alternating
+between the settings. It then sends chat requests one at a time: each is produced, and
+its committed result is read (read_committed) before the next is sent. For each request
+it records the time from produce to result, minus the worker's own `timing.total_ms`,
+which is the part Kafka and the transaction add. It also counts the retries the worker
+logged.
+
+    .venv/bin/python -m bench.kafka_latency              # 40 requests x 2 rounds x 2 settings
+    .venv/bin/python -m bench.kafka_latency --quick      # 8 requests, 1 round, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import console, invocation, markdown_table, print_table, update_docs_section, write_json
+
+SETTINGS = {"aiokafka default (100 ms)": 100, "this worker's default (20 ms)": 20}
+RETRY_LOG = "NotEnoughReplicasError"
+
+
+async def _sequential(bootstrap: str, topics, n: int, tag: str) -> list[float]:
+    from schemas import ChatRequest, Message
+    from worker.client import RequestProducer, TopicReader, collect_results
+
+    added = []
+    async with TopicReader(bootstrap, topics.results) as results, RequestProducer(bootstrap) as producer:
+        for i in range(n):
+            rid = f"lat-{tag}-{i}"
+            req = ChatRequest(id=rid, messages=[Message(role="user", content=f"Say the number {i}.")],
+                              max_tokens=4, temperature=0.0)
+            t0 = time.perf_counter()
+            await producer.send(topics.chat, req, "msgpack")
+            await producer.flush()
+            got = await collect_results(results, [rid], timeout_s=120)
+            if rid not in got:
+                raise RuntimeError(f"no committed result for {rid} within 120 s; see the worker log")
+            elapsed_ms = (time.perf_counter() - t0) * 1000
+            added.append(elapsed_ms - got[rid][0].timing.total_ms)
+    return added
+
+
+def run_setting(model: str, backoff_ms: int, n: int) -> dict:
+    from tests.integration.worker_harness import Topics, WorkerProcess, write_config
+    from worker.stack import StackConfig, delete_topics, ensure_topics, stack_up
+
+    stack = StackConfig()
+    stack_up(stack)
+    suffix = uuid.uuid4().hex[:8]
+    names = {k: f"bench.latency.{k}.{suffix}" for k in ("chat", "asr", "risk", "results", "deltas", "dlq")}
+    ensure_topics(stack, list(names.values()), 3)
+    topics = Topics(**names)
+    tmp = Path(tempfile.mkdtemp(prefix="kafka-latency-"))
+    cfg = write_config(tmp / "worker.yaml", model=model, topics=topics, group=f"bench-latency-{suffix}",
+                       bootstrap=stack.bootstrap_servers, redis_url=stack.redis_url,
+                       # The worker's defaults for batching and flushing (the test harness shortens them).
+                       execution={"batch_timeout": "50ms", "max_batch_size": 16},
+                       kafka={"producer_retry_backoff_ms": backoff_ms, "flush_interval_ms": 100},
+                       logging={"level": "warning", "format": "json"})
+    worker = WorkerProcess(cfg, f"bench-{suffix}", tmp / "worker.log").start()
+    try:
+        worker.wait_ready(timeout=300)
+        added = asyncio.run(_sequential(stack.bootstrap_servers, topics, n, suffix))
+    finally:
+        worker.stop()
+        delete_topics(stack, list(names.values()))
+    return {"backoff_ms": backoff_ms, "added_ms": added, "retries_logged": worker.logs().count(RETRY_LOG)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 requests, one round, to check the script")
+    ap.add_argument("--requests", type=int, default=40, help="requests per worker run, sent one at a time")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per setting; all runs are pooled")
+    ap.add_argument("--model", default="smollm2")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    command = invocation("bench.kafka_latency")
+    console.print(f"[bold]$ {command}[/]")
+
+    from engine.model_registry import resolve_model
+
+    model = str(resolve_model(args.model))
+    n, rounds = (8, 1) if args.quick else (args.requests, args.rounds)
+    load_at_start = os.getloadavg()[0]
+    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    for r in range(rounds):
+        for name, backoff in SETTINGS.items():
+            with console.status(f"{name}: {n} requests one at a time (round {r + 1}/{rounds})..."):
+                runs[name].append(run_setting(model, backoff, n))
+
+    headers = ["producer retry backoff", "requests", "retries logged", "p50 ms", "p90 ms", "p99 ms", "max ms",
+               "mean ms"]
+    rows, summary = [], {}
+    for name, setting_runs in runs.items():
+        added = np.array([x for run in setting_runs for x in run["added_ms"]])
+        retries = sum(run["retries_logged"] for run in setting_runs)
+        stats = {q: float(np.percentile(added, q)) for q in (50, 90, 99)}
+        summary[name] = {"requests": int(added.size), "retries_logged": retries, **{f"p{q}": v for q, v in
+                                                                                  stats.items()},
+                         "max": float(added.max()), "mean": float(added.mean())}
+        rows.append((name, added.size, retries, *(f"{stats[q]:.0f}" for q in (50, 90, 99)), f"{added.max():.0f}",
+                     f"{added.mean():.0f}"))
+    title = "latency Kafka and the transaction add to one request at a time (result read minus worker's total_ms)"
+    print_table(title, headers, rows)
+    base, ours = (summary[name]["mean"] for name in SETTINGS)
+    console.print(f"mean added latency, 20 ms backoff ÷ 100 ms backoff: {ours / base:.2f}")
+
+    data = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "requests": n,
+            "rounds": rounds, "load_average_at_start": load_at_start, "summary": summary,
+            "runs": {name: setting_runs for name, setting_runs in runs.items()}}
+    write_json("kafka_latency-quick.json" if args.quick else "kafka_latency.json", data)
+    if not args.quick:
+        update_docs_section("kafka_latency", "\n\n".join([
+            "## Latency of one request at a time through Kafka, by producer retry backoff",
+            f"Measured {data['date']} on this repository's 2-core dev machine (load average at start "
+            f"{load_at_start:.1f}). Reproduce with:",
+            f"    {command}",
+            markdown_table(title, headers, rows),
+            f"Mean added latency with the 20 ms backoff ÷ with 100 ms: {ours / base:.2f}. Each setting ran {rounds} "
+            f"times, alternating with the other, {n} requests per run, pooled. Every run is a fresh worker process "
+            "started through `infinilm worker` on fresh topics. A request is produced only after the previous "
+            "one's committed result has been read. Each request's added latency is the time from produce to "
+            "reading its committed result, minus the worker's own `timing.total_ms` (queueing, prefill and "
+            "decode). \"retries logged\" counts the worker's `NotEnoughReplicasError` retries. On Kafka 4 these "
+            "come from KIP-890's check while the previous transaction completes, and each one waits out the "
+            "backoff before it retries.",
+        ]))
+
+
+if __name__ == "__main__":
+    main()
