@@ -141,6 +141,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._batch_wakeup = asyncio.Event()
+        self._results_ready = asyncio.Event()  # a tracker got a finished result since the last flush
         self._paused = False
         self._started = False
         self.consumer: AIOKafkaConsumer | None = None
@@ -535,6 +536,7 @@ class Worker:
         record = OutRecord(self.topics.results, result.id.encode(), encode(result, fmt),
                            (("content-type", CONTENT_TYPE[fmt]),))
         tracker.complete(offset, [record])
+        self._results_ready.set()
 
     def _complete_error(self, tp, offset, request_id: str, kind, code, message: str, fmt: str,
                         consumed_at: float) -> None:
@@ -562,15 +564,34 @@ class Worker:
                             worker=self.worker_id)
         tracker.complete(record.offset, [OutRecord(self.topics.dlq, None, encode(letter, "msgpack"),
                                                    (("content-type", CONTENT_TYPE["msgpack"]),))])
+        self._results_ready.set()
         self.metrics.inc_dlq(reason.code)
         log.warning("dead-lettered a record", topic=record.topic, partition=record.partition, offset=record.offset,
                     reason=reason.code)
 
     # ---- publishing --------------------------------------------------------
     async def _flush_loop(self) -> None:
+        """Flush every flush_interval_ms; with eager_flush, also as soon as a result is finished,
+        if the last flush of finished results started an interval ago or more. Either way those
+        flushes start at most once per interval, so a partition commits at most one transaction
+        per interval. Ticks with nothing finished (they retry set-ups and update flow control)
+        do not count: a result after an idle spell is flushed at once."""
         interval = self.config.kafka.flush_interval_ms / 1000
+        eager = self.config.kafka.eager_flush
+        last = float("-inf")  # when the last flush of finished results started
         while True:
-            await asyncio.sleep(interval)
+            if eager:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._results_ready.wait(), timeout=interval)
+                if self._results_ready.is_set():
+                    wait = last + interval - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+            else:
+                await asyncio.sleep(interval)
+            if self._results_ready.is_set():
+                self._results_ready.clear()
+                last = time.monotonic()
             await self._flush_all()
 
     async def _flush_all(self, only: list[TopicPartition] | None = None) -> None:
