@@ -191,9 +191,9 @@ class KafkaConfig(_Section):
     heartbeat_interval_ms: PositiveInt = 3_000
     transaction_timeout_ms: PositiveInt = 60_000
     flush_interval_ms: PositiveInt = 100
-    # Commit a finished result at once when the last flush started flush_interval_ms ago or
-    # more, instead of on the next tick: a lightly loaded worker answers without waiting out
-    # the interval. Flushes still start at most once per interval.
+    # Commit a finished result at once when the last flush of finished results started
+    # flush_interval_ms ago or more, instead of on the next tick: a lightly loaded worker
+    # answers without waiting out the interval. Such flushes still start at most once per interval.
     eager_flush: bool = True
     max_message_bytes: Bytes = 1_048_576
     request_timeout_ms: PositiveInt = 30_000
