@@ -8,12 +8,15 @@ stats and KV events back through `deliver` (which must be thread-safe, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine import EngineCore, EngineStats, MaskSpec, RequestError, RequestOutput, SamplingParams
 from engine.attention.metadata import CAUSAL
@@ -39,29 +42,72 @@ class EngineEvent:
     stall_s: float = 0.0
 
 
+class EngineThread:
+    """One daemon thread that runs the calls it is given, in order.
+
+    Why: the engine should be built on the thread that then steps it. With GNU OpenMP
+    every thread that runs a parallel region gets its own team of worker threads; a
+    model loaded on the main thread and stepped on another leaves two teams, more
+    OpenMP threads than CPUs on a small host, and libgomp then parks its workers
+    between parallel regions instead of spinning. On the 2-core dev machine that
+    made a worker's decode steps about 25% slower than the same steps on the
+    loading thread (ad hoc A/B, docs/BENCHMARKS.md "Through Kafka vs offline").
+    """
+
+    def __init__(self, name: str = "engine") -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """Let the thread end once the calls already given have run."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+
 class EngineLoop:
-    def __init__(self, engine: EngineCore, deliver: Callable[[EngineEvent], None], idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: EngineCore, deliver: Callable[[EngineEvent], None], idle_wait_s: float = 0.05,
+                 thread: EngineThread | None = None) -> None:
+        """`thread`: the thread the engine was built on (see EngineThread); a new one if None."""
         self.engine = engine
         self._deliver = deliver
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = thread or EngineThread()
+        self._done: Future | None = None
         self.running = 0
         self.waiting = 0
         self.failed: BaseException | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._done = self._thread.call(self._run)
+        self._thread.close()  # the loop is its last call
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake", None))
-        self._thread.join(timeout)
+        if self._done is not None:
+            with contextlib.suppress(Exception):  # a timeout, or the loop's own failure (in `failed`)
+                self._done.exception(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._done is not None and not self._done.done()
 
     def submit(self, jobs: list[EngineJob]) -> None:
         if jobs:

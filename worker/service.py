@@ -42,7 +42,7 @@ from schemas import (
     sniff_format,
 )
 from worker.batcher import Batch, BatchItem, make_batcher
-from worker.engine_loop import EngineEvent, EngineJob, EngineLoop
+from worker.engine_loop import EngineEvent, EngineJob, EngineLoop, EngineThread
 from worker.handlers import Handler, HandlerContext, Prepared
 from worker.handlers.asr import AsrHandler
 from worker.handlers.chat import ChatHandler
@@ -114,7 +114,15 @@ class Worker:
         self.config = config
         self.worker_id = worker_id or config.worker.id or default_worker_id()
         self.metrics = WorkerMetrics(registry)
-        self.engine = engine or EngineCore(config.engine_config())
+        # Built on the thread that will step it (EngineThread says why).
+        self._engine_thread = EngineThread()
+        if engine is None:
+            try:
+                engine = self._engine_thread.call(EngineCore, config.engine_config()).result()
+            except BaseException:
+                self._engine_thread.close()
+                raise
+        self.engine = engine
         self.model_name = config.model.name
         self.metrics.set_worker_info(self.worker_id, self.model_name, _version())
         self.metrics.declare_label_values(topics=config.topics.request_topics.values(), redis_ops=REDIS_OPS,
@@ -179,7 +187,8 @@ class Worker:
         self._loop = asyncio.get_running_loop()
         self._loop.set_exception_handler(quiet_fenced_futures)
         self._events = asyncio.Queue()
-        self.engine_loop = EngineLoop(self.engine, lambda ev: self._loop.call_soon_threadsafe(self._events.put_nowait, ev))
+        self.engine_loop = EngineLoop(self.engine, lambda ev: self._loop.call_soon_threadsafe(self._events.put_nowait, ev),
+                                      thread=self._engine_thread)
         self.engine_loop.start()
         if cfg.metrics.enabled:
             self.http = HealthServer(cfg.metrics.host, cfg.metrics.port, self.metrics.registry, self._health, self._ready)
