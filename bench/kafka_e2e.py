@@ -17,9 +17,7 @@ import asyncio
 import gc
 import os
 import random
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -100,30 +98,14 @@ async def _kafka_run(workload, topics, bootstrap) -> dict:
 
 
 def run_kafka(model: str, workload: list[dict]) -> dict:
-    from tests.integration.worker_harness import Topics, WorkerProcess, write_config
-    from worker.stack import StackConfig, delete_topics, ensure_topics, stack_up
+    from bench.kafka_worker import worker_on_fresh_topics
 
-    stack = StackConfig()
-    stack_up(stack)
-    suffix = uuid.uuid4().hex[:8]
-    names = {k: f"bench.e2e.{k}.{suffix}" for k in ("chat", "asr", "risk", "results", "deltas", "dlq")}
-    ensure_topics(stack, list(names.values()), 3)
-    topics = Topics(**names)
-    tmp = Path(tempfile.mkdtemp(prefix="kafka-e2e-"))
-    cfg = write_config(tmp / "worker.yaml", model=model, topics=topics, group=f"bench-e2e-{suffix}",
-                       bootstrap=stack.bootstrap_servers, redis_url=stack.redis_url,
-                       execution={"max_num_seqs": ENGINE["max_num_seqs"], "batch_timeout": "50ms",
-                                  "max_batch_size": 16, "max_num_batched_tokens": ENGINE["max_num_batched_tokens"]},
-                       memory={"kv_cache_bytes": ENGINE["kv_cache_memory_bytes"]},
-                       logging={"level": "warning", "format": "json"})
-    worker = WorkerProcess(cfg, f"bench-{suffix}", tmp / "worker.log").start()
-    try:
-        worker.wait_ready(timeout=300)
-        result = asyncio.run(_kafka_run(workload, topics, stack.bootstrap_servers))
-    finally:
-        worker.stop()
-        delete_topics(stack, list(names.values()))
-    return result
+    with worker_on_fresh_topics(
+            model, "e2e",
+            execution={"max_num_seqs": ENGINE["max_num_seqs"], "batch_timeout": "50ms", "max_batch_size": 16,
+                       "max_num_batched_tokens": ENGINE["max_num_batched_tokens"]},
+            memory={"kv_cache_bytes": ENGINE["kv_cache_memory_bytes"]}) as (_, topics, bootstrap):
+        return asyncio.run(_kafka_run(workload, topics, bootstrap))
 
 
 def main() -> None:

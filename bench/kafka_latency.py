@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 
@@ -61,30 +59,17 @@ async def _sequential(bootstrap: str, topics, n: int, tag: str) -> list[float]:
 
 
 def run_setting(model: str, backoff_ms: int, eager: bool, n: int) -> dict:
-    from tests.integration.worker_harness import Topics, WorkerProcess, write_config
-    from worker.stack import StackConfig, delete_topics, ensure_topics, stack_up
+    from bench.kafka_worker import worker_on_fresh_topics
 
-    stack = StackConfig()
-    stack_up(stack)
-    suffix = uuid.uuid4().hex[:8]
-    names = {k: f"bench.latency.{k}.{suffix}" for k in ("chat", "asr", "risk", "results", "deltas", "dlq")}
-    ensure_topics(stack, list(names.values()), 3)
-    topics = Topics(**names)
-    tmp = Path(tempfile.mkdtemp(prefix="kafka-latency-"))
-    cfg = write_config(tmp / "worker.yaml", model=model, topics=topics, group=f"bench-latency-{suffix}",
-                       bootstrap=stack.bootstrap_servers, redis_url=stack.redis_url,
-                       # The worker's defaults for batching and flushing (the test harness shortens them).
-                       execution={"batch_timeout": "50ms", "max_batch_size": 16},
-                       kafka={"producer_retry_backoff_ms": backoff_ms, "eager_flush": eager, "flush_interval_ms": 100},
-                       logging={"level": "warning", "format": "json"})
-    worker = WorkerProcess(cfg, f"bench-{suffix}", tmp / "worker.log").start()
-    try:
-        worker.wait_ready(timeout=300)
-        added = asyncio.run(_sequential(stack.bootstrap_servers, topics, n, suffix))
-    finally:
-        worker.stop()
-        delete_topics(stack, list(names.values()))
-    return {"backoff_ms": backoff_ms, "eager_flush": eager, "added_ms": added, "retries_logged": worker.logs().count(RETRY_LOG)}
+    with worker_on_fresh_topics(
+            model, "latency",
+            # The worker's defaults for batching and flushing (the test harness shortens them).
+            execution={"batch_timeout": "50ms", "max_batch_size": 16},
+            kafka={"producer_retry_backoff_ms": backoff_ms, "eager_flush": eager, "flush_interval_ms": 100},
+    ) as (worker, topics, bootstrap):
+        added = asyncio.run(_sequential(bootstrap, topics, n, uuid.uuid4().hex[:8]))
+    return {"backoff_ms": backoff_ms, "eager_flush": eager, "added_ms": added,
+            "retries_logged": worker.logs().count(RETRY_LOG)}
 
 
 def main() -> None:
