@@ -46,6 +46,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
+SECTIONS = ("kernels", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "smollm2_speed")
 
 
 def write_config_only(shape: dict) -> Path:
@@ -323,32 +324,38 @@ def run(args) -> dict:
     started = time.perf_counter()
     bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (128 << 20))
     report["copy_bandwidth_GBps"] = bw / 1e9
-    section(report, "kernels", started, check_kernels, device, getattr(torch, dtype), args.quick)
+    wanted = set(args.sections)
+    if "kernels" in wanted:
+        section(report, "kernels", started, check_kernels, device, getattr(torch, dtype), args.quick)
+    if "tiny_vs_hf_fp32" in wanted:
+        from tests.conftest import write_tiny_model
 
-    from tests.conftest import write_tiny_model
-
-    tiny = write_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-tiny-")), "llama", seed=1)
-    section(report, "tiny_vs_hf_fp32", started, check_against_hf, tiny, device, "float32",
-            [list(range(3, 3 + n)) for n in (5, 37, 120)])
+        tiny = write_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-tiny-")), "llama", seed=1)
+        section(report, "tiny_vs_hf_fp32", started, check_against_hf, tiny, device, "float32",
+                [list(range(3, 3 + n)) for n in (5, 37, 120)])
     smol = None
-    try:
-        smol = prepare_smollm2(args.smollm2_gguf)
-    except Exception as exc:
-        report["smollm2_vs_hf"] = {"error": f"could not prepare SmolLM2: {exc!r}"}
-    if smol is not None:
-        section(report, "smollm2_vs_hf", started, check_against_hf, smol, device, dtype,
-                [list(range(10, 10 + n)) for n in (8, 64, 200)], 24)
-    elif "smollm2_vs_hf" not in report:
-        report["smollm2_vs_hf"] = {"skipped": "SmolLM2's weights are not on this machine (pass --smollm2-gguf)"}
+    if wanted & {"smollm2_vs_hf", "smollm2_speed"}:
+        try:
+            smol = prepare_smollm2(args.smollm2_gguf)
+        except Exception as exc:
+            report["smollm2_vs_hf"] = {"error": f"could not prepare SmolLM2: {exc!r}"}
+    if "smollm2_vs_hf" in wanted:
+        if smol is not None:
+            section(report, "smollm2_vs_hf", started, check_against_hf, smol, device, dtype,
+                    [list(range(10, 10 + n)) for n in (8, 64, 200)], 24)
+        elif "smollm2_vs_hf" not in report:
+            report["smollm2_vs_hf"] = {"skipped": "SmolLM2's weights are not on this machine (pass --smollm2-gguf)"}
 
     quick = args.quick
-    section(report, "llama3_8b_shaped", started, speed_suite, "llama3-8b-shaped",
-            write_config_only(TINY if quick else LLAMA3_8B), device, dtype, True, 128 if quick else 1024,
-            4 if quick else 32, (8, 1) if quick else (64, 1), bw)
-    shape_path = smol if smol is not None else write_config_only(SMOLLM2_SHAPE)
-    section(report, "smollm2_speed", started, speed_suite, "smollm2" if smol is not None else "smollm2-shaped",
-            shape_path, device, dtype, smol is None, 128 if quick else 1024, 4 if quick else 32,
-            (8,) if quick else (64,), bw)
+    if "llama3_8b_shaped" in wanted:
+        section(report, "llama3_8b_shaped", started, speed_suite, "llama3-8b-shaped",
+                write_config_only(TINY if quick else LLAMA3_8B), device, dtype, True, 128 if quick else 1024,
+                4 if quick else 32, (8, 1) if quick else (64, 1), bw)
+    if "smollm2_speed" in wanted:
+        shape_path = smol if smol is not None else write_config_only(SMOLLM2_SHAPE)
+        section(report, "smollm2_speed", started, speed_suite, "smollm2" if smol is not None else "smollm2-shaped",
+                shape_path, device, dtype, smol is None, 128 if quick else 1024, 4 if quick else 32,
+                (8,) if quick else (64,), bw)
     report["seconds"] = time.perf_counter() - started
     return report
 
@@ -357,6 +364,8 @@ def print_report(report: dict) -> None:
     print(f"device {report['device']} ({report.get('multiprocessors')} SMs), torch {report['torch']}, "
           f"triton {report['triton']}, copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s, {report['date']}")
     for key in ("kernels", "tiny_vs_hf_fp32", "smollm2_vs_hf"):
+        if key not in report:
+            continue  # not asked for in this run (--sections)
         value = report.get(key)
         if isinstance(value, dict) and "traceback" in value:
             value = {k: v for k, v in value.items() if k != "traceback"}
@@ -364,7 +373,9 @@ def print_report(report: dict) -> None:
     print(f"{'model':18} {'batch':>5} {'mode':22} {'step ms':>8} {'tok/s':>9} {'idle ms':>8} {'roof ms':>8} "
           f"{'share':>6} {'prefill tok/s':>13}")
     for key in ("llama3_8b_shaped", "smollm2_speed"):
-        suite = report.get(key) or {}
+        if key not in report:
+            continue
+        suite = report[key]
         if "runs" not in suite:
             print(f"{key}: {({k: v for k, v in suite.items() if k != 'traceback'})}")
             if "traceback" in suite:
@@ -405,10 +416,30 @@ def write_docs(report: dict) -> None:
         f"Engine against HF transformers on the device, tiny random Llama in fp32: `{brief('tiny_vs_hf_fp32')}`; "
         f"SmolLM2 in bf16: `{brief('smollm2_vs_hf')}`.",
         markdown_table("decode steps against the HBM roofline: (weights read + each sequence's KV) / copy bandwidth; "
-                       f"context {report['llama3_8b_shaped'].get('context')} tokens, bf16",
+                       f"context {(report.get('llama3_8b_shaped') or {}).get('context')} tokens, bf16",
                        ["model", "batch", "mode", "step ms", "tok/s", "device idle ms/step", "roofline ms", "share",
                         "prefill tok/s"], rows),
     ]))
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from runs that each did some of the sections (the first run's header is kept;
+    a section found in several runs is taken from the last)."""
+    merged = dict(reports[0])
+    for extra in reports[1:]:
+        if extra["device"] != merged["device"]:
+            raise SystemExit(f"runs on different devices: {merged['device']} and {extra['device']}")
+        merged.update({k: v for k, v in extra.items() if k in SECTIONS})
+        merged["seconds"] = merged.get("seconds", 0) + extra.get("seconds", 0)
+    return merged
+
+
+def section_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    return names
 
 
 def main() -> None:
@@ -416,11 +447,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small shapes only (for a CPU dry run)")
     ap.add_argument("--smollm2-gguf", help="SmolLM2-135M-Instruct GGUF file to import and check")
-    ap.add_argument("--report", metavar="JSON", help="re-print a saved run and write its docs/BENCHMARKS.md section")
+    ap.add_argument("--sections", type=section_list, default=list(SECTIONS),
+                    help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)")
+    ap.add_argument("--name", default="gpu_check", help="the JSON file's name, without .json (default: gpu_check)")
+    ap.add_argument("--report", metavar="JSON", nargs="+",
+                    help="re-print saved runs (merged, when several) and write their docs/BENCHMARKS.md section")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.report:
-        report = json.loads(Path(args.report).read_text())
+        report = merge_reports([json.loads(Path(f).read_text()) for f in args.report])
         print_report(report)
         if report["device"] == "cpu":
             print("a CPU dry run: docs/BENCHMARKS.md keeps its GPU section")
@@ -431,7 +466,7 @@ def main() -> None:
     print_report(report)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "gpu_check.json" if args.device.startswith("cuda") else "gpu_check-cpu-dryrun.json"
+    name = f"{args.name}.json" if args.device.startswith("cuda") else f"{args.name}-cpu-dryrun.json"
     (out_dir / name).write_text(json.dumps(report, indent=2, default=lambda v: None if isinstance(v, float)
                                            and math.isnan(v) else str(v)))
     print(f"wrote {out_dir / name} in {report['seconds']:.0f}s")
