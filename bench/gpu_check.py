@@ -46,7 +46,8 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
-SECTIONS = ("kernels", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "smollm2_speed")
+SECTIONS = ("kernels", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
+SPEED_SECTIONS = ("llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
 
 
 def write_config_only(shape: dict) -> Path:
@@ -201,18 +202,53 @@ def bytes_read_per_decode_step(engine, seq_lens: list[int]) -> tuple[int, int]:
     return weights, sum(seq_lens) * per_row
 
 
+def kernel_breakdown(engine, steps: int = 3, top: int = 12) -> dict | None:
+    """Where an eager decode step's device time goes: the kernels by total time (torch profiler).
+    Graphs hide their kernels from the profiler, and replay the same ones without the launch gaps."""
+    if engine.device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, pipelined = engine.runner.graphs, engine.pipelined
+    engine.runner.graphs, engine.pipelined = None, False
+    try:
+        for _ in range(2):
+            engine.step()
+        sync(engine.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync(engine.device)
+    finally:
+        engine.runner.graphs, engine.pipelined = graphs, pipelined
+    totals: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
+        entry = totals.setdefault(evt.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_step": sum(c for c, _ in totals.values()) / steps,
+            "device_us_per_step": sum(t for _, t in totals.values()) / steps,
+            "top": [{"kernel": k, "calls_per_step": c / steps, "us_per_step": t / steps} for k, (c, t) in ranked[:top]]}
+
+
 def speed_suite(name: str, path: Path, device: torch.device, dtype: str, dummy: bool, context: int, steps: int,
-                batches: tuple[int, ...], bandwidth: float) -> dict:
+                batches: tuple[int, ...], bandwidth: float, fused: bool = True) -> dict:
     from engine import EngineConfig, EngineCore, SamplingParams
 
     cfg = EngineConfig(model=str(path), dtype=dtype, device=str(device), load_format="dummy" if dummy else "safetensors",
                        max_num_seqs=max(batches), max_num_batched_tokens=4096, cuda_graphs=True,
-                       max_model_len=context + 4 * steps + 64, enable_prefix_caching=False)
+                       max_model_len=context + 4 * steps + 64, enable_prefix_caching=False, gpu_fused_kernels=fused)
     t = time.perf_counter()
     engine = EngineCore(cfg)
     sync(device)
     result: dict = {"model": name, "build_s": time.perf_counter() - t, "context": context,
-                    "attention_backend": engine.model.layers[0].self_attn.backend.name, "runs": []}
+                    "attention_backend": engine.model.layers[0].self_attn.backend.name,
+                    "triton_fusions": engine.model.triton_fusions, "runs": [], "kernel_breakdown": {}}
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     graphs = engine.runner.graphs
@@ -289,6 +325,10 @@ def speed_suite(name: str, path: Path, device: torch.device, dtype: str, dummy: 
                 "device_idle_ms_per_step": None, "weight_bytes": weights, "kv_bytes": kv,
                 "roofline_step_ms": (weights + kv) / bandwidth * 1e3,
                 "share_of_roofline": (weights + kv) / bandwidth / fwd_s, "prefill_tok_s": None})
+        try:
+            result["kernel_breakdown"][str(batch)] = kernel_breakdown(engine)
+        except Exception as exc:  # the profile is a diagnosis: never let it cost the section
+            result["kernel_breakdown"][str(batch)] = {"error": f"{type(exc).__name__}: {exc}"}
         drain(ids)
     return result  # the engine goes with this frame; section() then empties the CUDA cache
 
@@ -351,6 +391,10 @@ def run(args) -> dict:
         section(report, "llama3_8b_shaped", started, speed_suite, "llama3-8b-shaped",
                 write_config_only(TINY if quick else LLAMA3_8B), device, dtype, True, 128 if quick else 1024,
                 4 if quick else 32, (8, 1) if quick else (64, 1), bw)
+    if "llama3_8b_unfused" in wanted:  # the same without the decoder's Triton fusions: what they save
+        section(report, "llama3_8b_unfused", started, speed_suite, "llama3-8b, unfused",
+                write_config_only(TINY if quick else LLAMA3_8B), device, dtype, True, 128 if quick else 1024,
+                4 if quick else 32, (8, 1) if quick else (64, 1), bw, False)
     if "smollm2_speed" in wanted:
         shape_path = smol if smol is not None else write_config_only(SMOLLM2_SHAPE)
         section(report, "smollm2_speed", started, speed_suite, "smollm2" if smol is not None else "smollm2-shaped",
@@ -372,7 +416,7 @@ def print_report(report: dict) -> None:
         print(f"{key}: {value}")
     print(f"{'model':18} {'batch':>5} {'mode':22} {'step ms':>8} {'tok/s':>9} {'idle ms':>8} {'roof ms':>8} "
           f"{'share':>6} {'prefill tok/s':>13}")
-    for key in ("llama3_8b_shaped", "smollm2_speed"):
+    for key in SPEED_SECTIONS:
         if key not in report:
             continue
         suite = report[key]
@@ -386,13 +430,39 @@ def print_report(report: dict) -> None:
             prefill = "-" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"
             print(f"{suite['model']:18} {r['batch']:5d} {r['mode']:22} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
                   f"{idle:>8} {r['roofline_step_ms']:8.2f} {r['share_of_roofline']:6.1%} {prefill:>13}")
+    for key in SPEED_SECTIONS:
+        for batch, kb in ((report.get(key) or {}).get("kernel_breakdown") or {}).items():
+            if not kb or "error" in kb:
+                print(f"{key} batch {batch} kernel breakdown: {kb}")
+                continue
+            print(f"{key} batch {batch}, eager step: {kb['kernels_per_step']:.0f} kernels, "
+                  f"{kb['device_us_per_step'] / 1e3:.2f} ms of kernel time; top: " + "; ".join(
+                      f"{t['kernel'][:40]} x{t['calls_per_step']:.0f} {t['us_per_step']:.0f}us" for t in kb["top"][:6]))
+    for line in target_lines(report):
+        print(line)
+
+
+def target_lines(report: dict) -> list[str]:
+    """The GPU issue's two targets, from the 8B-shaped runs with graphs and pipelining on."""
+    runs = {r["batch"]: r for r in (report.get("llama3_8b_shaped") or {}).get("runs", [])
+            if r["mode"] == "graphs+pipelined"}
+    lines = []
+    if 64 in runs:
+        share = runs[64]["share_of_roofline"]
+        lines.append(f"target: decode at batch 64 >= 70% of the HBM roofline: {share:.1%} "
+                     f"({'met' if share >= 0.70 else 'missed'})")
+    if 1 in runs:
+        ratio = runs[1]["step_ms"] / runs[1]["roofline_step_ms"]
+        lines.append(f"target: single-stream step within 1.5x of the roofline: {ratio:.2f}x "
+                     f"({'met' if ratio <= 1.5 else 'missed'})")
+    return lines
 
 
 def write_docs(report: dict) -> None:
     from bench.report import markdown_table, update_docs_section
 
     rows = []
-    for key in ("llama3_8b_shaped", "smollm2_speed"):
+    for key in SPEED_SECTIONS:
         suite = report.get(key) or {}
         for r in suite.get("runs", []):
             idle = r["device_idle_ms_per_step"]
@@ -415,6 +485,7 @@ def write_docs(report: dict) -> None:
         f"Kernels against the torch backend on the device: `{brief('kernels')}`.",
         f"Engine against HF transformers on the device, tiny random Llama in fp32: `{brief('tiny_vs_hf_fp32')}`; "
         f"SmolLM2 in bf16: `{brief('smollm2_vs_hf')}`.",
+        "\n".join(f"- {line}" for line in target_lines(report)),
         markdown_table("decode steps against the HBM roofline: (weights read + each sequence's KV) / copy bandwidth; "
                        f"context {(report.get('llama3_8b_shaped') or {}).get('context')} tokens, bf16",
                        ["model", "batch", "mode", "step ms", "tok/s", "device idle ms/step", "roofline ms", "share",

@@ -67,6 +67,9 @@ class EngineConfig:
     load_format: str = "safetensors"
     # Capture decode steps as CUDA graphs per batch-size bucket (CUDA only).
     cuda_graphs: bool = True
+    # CUDA only: the decoder's Triton fusions (residual add + RMSNorm, RoPE + K/V write; see
+    # LlamaForCausalLM.enable_triton_fusions). Off only to measure what they save.
+    gpu_fused_kernels: bool = True
     # Pipelined scheduling: build and queue step N+1 while the device runs step N, and read step N's
     # tokens (sampling bookkeeping, detokenization, stop strings) while N+1 runs. None: on where the
     # device runs apart from the host (CUDA); on the CPU the forward pass is the host's own time.

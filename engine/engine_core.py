@@ -88,6 +88,8 @@ class EngineCore:
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
         self.prepacked_bytes = self.model.prepack_weights() if config.cpu_prepack_weights else 0
+        if self.device.type == "cuda" and config.gpu_fused_kernels:
+            self.model.enable_triton_fusions()
         if config.activation_chunk_rows:
             self.model.use_workspace(ActivationWorkspace(config.activation_chunk_rows, mc.hidden_size,
                                                          mc.intermediate_size, self.dtype, self.device))

@@ -17,6 +17,11 @@ from engine.attention.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # Backends over a plain [2, blocks, block_size, kv_heads, head_dim] cache can leave the K/V write
+    # to the model (engine.models.fused_ops.rope_write_kv, fused with RoPE on the GPU), which then
+    # sets kv_prewritten on the backend it shares with every layer.
+    accepts_prewritten_kv: bool = False
+    kv_prewritten: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -33,7 +38,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Store k/v at meta.slot_mapping, then return attention output [T, num_heads * head_dim]."""
+        """Store k/v at meta.slot_mapping (unless kv_prewritten), then return attention output
+        [T, num_heads * head_dim]."""
 
 
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -92,6 +92,7 @@ def kernels_available() -> bool:
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
     name = "cpu_paged"
+    accepts_prewritten_kv = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)

@@ -35,6 +35,7 @@ def flash_available(device: torch.device, block_size: int) -> bool:
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
+    accepts_prewritten_kv = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -45,7 +46,8 @@ class FlashAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not self.kv_prewritten:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

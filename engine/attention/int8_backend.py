@@ -32,6 +32,7 @@ _QUERY_CHUNK = 256
 
 class TorchInt8AttentionBackend(TorchAttentionBackend):
     name = "torch_int8"
+    accepts_prewritten_kv = False
 
     def forward(self, q, k, v, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]

@@ -19,10 +19,12 @@ from engine.attention.metadata import AttentionMetadata, PrefillSpan
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    accepts_prewritten_kv = True
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not self.kv_prewritten:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:

@@ -34,10 +34,12 @@ class _PrefillPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    accepts_prewritten_kv = True
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not self.kv_prewritten:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.prefills:
             plan = meta.backend_cache.get(self.name)
@@ -54,7 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
                     enable_gqa=self.num_heads != self.num_kv_heads)[0].transpose(0, 1)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = paged_decode(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
+            paged_decode(q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, out=out[:nd])
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 

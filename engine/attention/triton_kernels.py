@@ -127,8 +127,10 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, splits: int | None = None, pages: int | None = None) -> torch.Tensor:
-    """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D].
+                 scale: float, splits: int | None = None, pages: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D]
+    (written into `out` when given: a [B, H, D] view with unit stride in D).
 
     `splits` (programs per sequence and KV head, at most) and `pages` (blocks per iteration) are for
     tests; None picks them from the shapes.
@@ -144,7 +146,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         per_split = triton.cdiv(triton.cdiv(max_blocks, splits), pages) * pages
         splits = triton.cdiv(max_blocks, per_split)
     d_pad = max(16, triton.next_power_of_2(d))
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"paged_decode: out must be {tuple(q.shape)} with unit stride in D, got {tuple(out.shape)}")
     if splits > 1:
         partials = torch.empty(b * h * splits, d_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(b * h * splits, 2, dtype=torch.float32, device=q.device)

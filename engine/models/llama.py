@@ -76,10 +76,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
+        self.fused_rope_kv = False  # RoPE and the K/V write in one Triton launch (LlamaForCausalLM.enable_triton_fusions)
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.fused_rope_kv:
+            from engine.models.fused_ops import rope_write_kv
+
+            rope_write_kv(qkv, positions, rope.cos, rope.sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                          kv_cache, meta.slot_mapping)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            out = self.backend.forward(q.view(n, self.num_heads, self.head_dim),
+                                       k.view(n, self.num_kv_heads, self.head_dim),
+                                       v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta)
+            del qkv, q, k, v
+            return self.o_proj(out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        del qkv
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -128,6 +142,15 @@ class MLP(nn.Module):
             return gate_up[:, :self.intermediate]
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)
+
+    def delta(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """MLP(x), for the caller to add to the residual stream; None when a prefill larger than the
+        workspace has already been added to `residual` chunk by chunk."""
+        ws = self.workspace
+        if ws is None or x.shape[0] <= ws.rows:
+            return self(x)
+        self.add_to(x, residual)
+        return None
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += MLP(x), in place; in workspace-sized chunks when x has more rows than the workspace."""
@@ -188,12 +211,48 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.triton_fusions:
+            return self._triton_layers(x, positions, kv_caches, meta)
         if self._fused_decode is not None and self._fused_decode_applies(x, meta):
             x = self._fused_decode_layers(x, positions, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
+
+    # The GPU path (enable_triton_fusions): each residual add is fused into the next RMSNorm.
+    triton_fusions: bool = False
+
+    def enable_triton_fusions(self) -> None:
+        """Run the decoder with the Triton kernels of engine.models.fused_ops: each layer's MLP output is
+        added to the residual stream by the next norm's kernel (the final norm's too), and, where every
+        layer's attention allows it, RoPE and the K/V write are one launch. About ten launches per layer
+        instead of about thirty; on a GPU their fixed cost is what a small decode step mostly pays.
+        The engine turns this on for CUDA devices; under TRITON_INTERPRET=1 it runs on the CPU (tests)."""
+        self.triton_fusions = True
+        backend = self.layers[0].self_attn.backend
+        rope_ok = (self.rope.cos.shape[-1] == self.config.head_dim and backend.accepts_prewritten_kv
+                   and all(layer.self_attn.q_norm is None and layer.self_attn.backend is backend
+                           for layer in self.layers))
+        for layer in self.layers:
+            layer.self_attn.fused_rope_kv = rope_ok
+        backend.kv_prewritten = rope_ok
+
+    def _triton_layers(self, x, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        from engine.models.fused_ops import add_rms_norm
+
+        residual, delta = x, None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            norm = layer.input_layernorm
+            h, residual = add_rms_norm(delta if delta is not None else residual, norm.weight, norm.eps,
+                                       residual if delta is not None else None)
+            attn = layer.self_attn(h, positions, self.rope, kv_cache, meta)
+            norm = layer.post_attention_layernorm
+            h, residual = add_rms_norm(attn, norm.weight, norm.eps, residual)
+            delta = layer.mlp.delta(h, residual)
+        out, _ = add_rms_norm(delta if delta is not None else residual, self.norm.weight, self.norm.eps,
+                              residual if delta is not None else None)
+        return out
 
     # The weights of every layer, in decode_layers' order, when the whole decoder can run a
     # decode-only step in one C++ call (engine/models/csrc/decode_layers.cpp); set by prepack_weights.

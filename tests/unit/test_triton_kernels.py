@@ -1,7 +1,9 @@
-"""The Triton paged-attention kernels against the torch reference, on the CPU under TRITON_INTERPRET=1.
+"""The Triton kernels against the torch reference, on the CPU under TRITON_INTERPRET=1.
 
 The interpreter runs the kernels' code with numpy, so these tests check their
-logic (block tables, masks, online softmax) on small shapes; speed is a GPU matter.
+logic (block tables, masks, online softmax, fused RoPE and K/V write) on small
+shapes; speed is a GPU matter. Where a CUDA device is present the same tests
+run compiled on it (every tensor is made on DEVICE).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from engine.attention.torch_backend import gather_kv
 from engine.attention.triton_kernels import paged_decode, paged_prefill
 
 H, KVH, D, BS, NB = 6, 2, 16, 16, 12
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    with DEVICE:  # factory calls without a device make their tensors there
+        yield
 
 
 def dense(q, k, v, mask):
@@ -88,7 +97,7 @@ def test_the_triton_backend_generates_what_the_torch_backend_does(tiny_llama):
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(model=str(tiny_llama), dtype="float32", attention_backend=backend, max_num_batched_tokens=32,
-                  num_kv_blocks=32)
+                  num_kv_blocks=32, device=str(DEVICE), cuda_graphs=False, gpu_fused_kernels=False)
         outs[backend] = llm.generate(prompts, params)
     for a, b in zip(outs["torch"], outs["triton"], strict=True):
         assert a.token_ids == b.token_ids
@@ -199,9 +208,9 @@ def test_gpu_backends_match_the_torch_backend_on_a_mixed_step(backend, monkeypat
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=2, decode_block_tables=decode_tables,
                              decode_seq_lens=decode_lens, decode_max_len=35, prefills=spans)
     q, k, v = torch.randn(start, H, D), torch.randn(start, KVH, D), torch.randn(start, KVH, D)
-    reference = select_backend("torch", torch.device("cpu"), H, KVH, D)
+    reference = select_backend("torch", DEVICE, H, KVH, D)
     want = reference.forward(q, k, v, kv_ref.clone(), meta)
-    tested = select_backend(backend, torch.device("cpu"), H, KVH, D)
+    tested = select_backend(backend, DEVICE, H, KVH, D)
     for _ in range(2):  # the second call (another layer) reuses the plan the first one made
         kv = kv_ref.clone()
         got = tested.forward(q, k, v, kv, meta)
@@ -229,3 +238,77 @@ def test_paged_prefill_tiles_stop_at_what_their_rows_may_see(spec, block_m):
     out = paged_prefill(q, kv, [span], D**-0.5, block_m=block_m)
     ref = dense(q, k_all[0, :total], v_all[0, :total], build_mask(spec, torch.arange(cached, total), total))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_fused_rope_and_kv_write_match_the_torch_path(write):
+    """One launch rotates q and k in place in the fused qkv output and stores k and v at their slots,
+    as RotaryEmbedding.apply_torch_ and write_kv do (the rows of other slots stay untouched)."""
+    from engine.attention.torch_backend import write_kv
+    from engine.models.fused_ops import rope_write_kv
+    from engine.models.rope import RotaryEmbedding
+
+    torch.manual_seed(6)
+    n = 7
+    rope = RotaryEmbedding(D, 64, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                           torch.float32, DEVICE)
+    positions = torch.tensor([0, 5, 63, 17, 17, 2, 40])
+    slots = torch.tensor([3, 40, 41, 100, 7, 191, 64])
+    qkv = torch.randn(n, (H + 2 * KVH) * D)
+    kv = torch.randn(2, NB, BS, KVH, D)
+    want_qkv, want_kv = qkv.clone(), kv.clone()
+    q, k, v = (t.view(n, -1, D) for t in want_qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+    rope.apply_torch_(positions, q, k)
+    if write:
+        write_kv(want_kv, k, v, slots)
+    rope_write_kv(qkv, positions, rope.cos, rope.sin, H, KVH, D, kv if write else None, slots if write else None)
+    torch.testing.assert_close(qkv, want_qkv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kv, want_kv, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_rope_refuses_a_cache_it_cannot_address():
+    from engine.models.fused_ops import rope_write_kv
+
+    qkv = torch.randn(2, (H + 2 * KVH) * D)
+    cos = sin = torch.ones(8, D)
+    with pytest.raises(ValueError, match="contiguous paged cache"):
+        rope_write_kv(qkv, torch.tensor([0, 1]), cos, sin, H, KVH, D, torch.randn(2, NB, BS, D, KVH).transpose(-1, -2),
+                      torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="fused qkv"):
+        rope_write_kv(qkv[:, :-D], torch.tensor([0, 1]), cos, sin, H, KVH, D)
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 16])
+def test_the_fused_decoder_generates_what_the_layer_path_does(tiny_llama, chunk_rows):
+    """enable_triton_fusions (residual adds fused into the next norm, RoPE fused with the K/V write, the
+    decode written in place) changes no token: a prompt longer than the activation workspace (its MLP
+    then adds into the residual chunk by chunk) and a prefix-cached one, batched with decodes."""
+    prompts = [list(range(3, 60)), [5, 6, 7, 8, 9] * 5, list(range(3, 40))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for fused in (False, True):
+        llm = LLM(model=str(tiny_llama), dtype="float32", attention_backend="triton", max_num_batched_tokens=64,
+                  num_kv_blocks=32, device=str(DEVICE), activation_chunk_rows=chunk_rows, cuda_graphs=False,
+                  gpu_fused_kernels=False)
+        if fused:
+            llm.engine.model.enable_triton_fusions()
+            assert llm.engine.model.layers[0].self_attn.fused_rope_kv
+            assert llm.engine.model.layers[0].self_attn.backend.kv_prewritten
+        outs[fused] = llm.generate(prompts, params)
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert a.token_ids == b.token_ids
+        for (lp_a, _), (lp_b, _) in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(lp_a - lp_b) < 1e-4
+
+
+def test_fusions_leave_the_kv_write_to_backends_that_need_it(tiny_llama):
+    """A q/k-norm model keeps its own RoPE and its backend still writes the cache."""
+    llm = LLM(model=str(tiny_llama), dtype="float32", attention_backend="triton", num_kv_blocks=32,
+              device=str(DEVICE), cuda_graphs=False, gpu_fused_kernels=False)
+    model = llm.engine.model
+    model.layers[1].self_attn.q_norm = model.layers[1].self_attn.k_norm = torch.nn.Identity()
+    model.enable_triton_fusions()
+    assert model.triton_fusions
+    assert not any(layer.self_attn.fused_rope_kv for layer in model.layers)
+    assert not model.layers[0].self_attn.backend.kv_prewritten
