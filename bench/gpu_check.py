@@ -27,6 +27,7 @@ runs. Prints a table and writes JSON under $OUT (or bench/results/).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
-SECTIONS = ("kernels", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
+SECTIONS = ("kernels", "decode_sweep", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
 SPEED_SECTIONS = ("llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
 
 
@@ -132,6 +133,54 @@ def _gather(kv, table):
     from engine.attention.torch_backend import gather_kv
 
     return gather_kv(kv, table.view(1, -1))
+
+
+def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict:
+    """The paged decode kernel's launch settings (blocks per iteration, warps, pipeline stages, split)
+    timed on the decode shapes of the speed suites, each checked against the default launch."""
+    import itertools
+
+    import triton.testing
+
+    from engine.attention.triton_kernels import paged_decode
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bs = 16
+    shapes = ([("tiny b=4", 4, 4, 2, 32, 100)] if quick else
+              [("llama3-8b b=64", 64, 32, 8, 128, 1040), ("llama3-8b b=16", 16, 32, 8, 128, 1040),
+               ("smollm2 b=64", 64, 9, 3, 64, 1040)])
+    results = {}
+    for label, b, h, kvh, d, length in shapes:
+        blocks = -(-length // bs)
+        nb = b * blocks + 1
+        kv = torch.randn(2, nb, bs, kvh, d, generator=gen).to(device, dtype)
+        tables = torch.randperm(nb - 1, generator=gen)[:b * blocks].view(b, blocks).to(device)
+        lens = torch.full((b,), length, dtype=torch.long, device=device)
+        q = torch.randn(b, h, d, generator=gen).to(device, dtype)
+        scale = d**-0.5
+        want = paged_decode(q, kv, tables, lens, scale).float()
+        kv_bytes = 2 * b * length * kvh * d * kv.element_size()
+        rows = []
+        for pages, warps, stages, splits in itertools.product((4, 8), (4, 8), (2, 3), (None, 2)):
+            launch = functools.partial(paged_decode, q, kv, tables, lens, scale, splits=splits, pages=pages,
+                                       num_warps=warps, num_stages=stages)
+            try:
+                err = (launch().float() - want).abs().max().item()
+                ms = triton.testing.do_bench(launch, warmup=10, rep=40, return_mode="median") if \
+                    device.type == "cuda" else float("nan")
+            except Exception as exc:  # a setting the compiler refuses (e.g. out of shared memory)
+                rows.append({"pages": pages, "warps": warps, "stages": stages, "splits": splits,
+                             "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                continue
+            rows.append({"pages": pages, "warps": warps, "stages": stages, "splits": splits, "us": ms * 1e3,
+                         "GBps": kv_bytes / (ms * 1e-3) / 1e9, "max_abs_error": err})
+        default_ms = triton.testing.do_bench(functools.partial(paged_decode, q, kv, tables, lens, scale), warmup=10,
+                                             rep=40, return_mode="median") if device.type == "cuda" else float("nan")
+        timed = [r for r in rows if "us" in r and not math.isnan(r["us"])]
+        results[label] = {"kv_bytes": kv_bytes, "default_us": default_ms * 1e3,
+                          "default_GBps": kv_bytes / (default_ms * 1e-3) / 1e9 if default_ms == default_ms else None,
+                          "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}
+    return results
 
 
 # ---- 2. engine against HF transformers ----------------------------------------------------------
@@ -269,7 +318,7 @@ def speed_suite(name: str, path: Path, device: torch.device, dtype: str, dummy: 
             engine.step()
 
     # Warm-up: compile every kernel variant (prefill, decode, the split decode) before timing.
-    warm = add(4, min(300, context // 2), "warm")
+    warm = add(4, min(300, context // 2), "warm") + add(4, context, "warm-full")
     for _ in range(6):
         engine.step()
     drain(warm)
@@ -367,6 +416,8 @@ def run(args) -> dict:
     wanted = set(args.sections)
     if "kernels" in wanted:
         section(report, "kernels", started, check_kernels, device, getattr(torch, dtype), args.quick)
+    if "decode_sweep" in wanted:
+        section(report, "decode_sweep", started, decode_sweep, device, getattr(torch, dtype), args.quick)
     if "tiny_vs_hf_fp32" in wanted:
         from tests.conftest import write_tiny_model
 
@@ -438,6 +489,12 @@ def print_report(report: dict) -> None:
             print(f"{key} batch {batch}, eager step: {kb['kernels_per_step']:.0f} kernels, "
                   f"{kb['device_us_per_step'] / 1e3:.2f} ms of kernel time; top: " + "; ".join(
                       f"{t['kernel'][:40]} x{t['calls_per_step']:.0f} {t['us_per_step']:.0f}us" for t in kb["top"][:6]))
+    for label, sw in (report.get("decode_sweep") or {}).items():
+        if isinstance(sw, dict) and "default_us" in sw:
+            best = sw["best"] or {}
+            print(f"decode sweep {label}: default {sw['default_us']:.0f}us ({sw['default_GBps'] or 0:.0f} GB/s); best "
+                  f"{best.get('us', float('nan')):.0f}us ({best.get('GBps', 0):.0f} GB/s) with pages={best.get('pages')} "
+                  f"warps={best.get('warps')} stages={best.get('stages')} splits={best.get('splits')}")
     for line in target_lines(report):
         print(line)
 

@@ -23,9 +23,11 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
     elif isinstance(values, torch.Tensor):
         host = values
     else:
-        host = torch.tensor(values, dtype=dtype)
+        host = torch.tensor(values, dtype=dtype, device="cpu")  # on the host even under a default device
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     if device.type != "cuda":
         return host
+    if host.device.type != "cpu":  # already on a device: a device-side copy, nothing to pin
+        return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)

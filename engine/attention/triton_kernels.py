@@ -128,9 +128,11 @@ def _multiprocessors(device_index: int) -> int:
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, splits: int | None = None, pages: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D]
-    (written into `out` when given: a [B, H, D] view with unit stride in D).
+    (written into `out` when given: a [B, H, D] view with unit stride in D). `num_warps` and
+    `num_stages` override Triton's launch defaults (bench.gpu_check's decode sweep).
 
     `splits` (programs per sequence and KV head, at most) and `pages` (blocks per iteration) are for
     tests; None picks them from the shapes.
@@ -161,6 +163,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs, PAGES=pages, SPLIT=splits > 1,
         PRECISION=_precision(kv_cache),
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     if splits > 1:
         _decode_reduce_kernel[(b, h)](partials, ml, out, splits, out.stride(0), out.stride(1),
