@@ -515,7 +515,18 @@ def target_lines(report: dict) -> list[str]:
     return lines
 
 
-def write_docs(report: dict) -> None:
+def fusion_lines(report: dict) -> list[str]:
+    """The decoder's Triton fusions against the same model without them, from one run."""
+    def by_key(key: str) -> dict:
+        return {(r["batch"], r["mode"]): r for r in (report.get(key) or {}).get("runs", [])}
+
+    fused, plain = by_key("llama3_8b_shaped"), by_key("llama3_8b_unfused")
+    return [f"batch {b}, {mode}: {plain[b, mode]['step_ms']:.2f} ms unfused -> {fused[b, mode]['step_ms']:.2f} ms fused "
+            f"({plain[b, mode]['step_ms'] / fused[b, mode]['step_ms']:.2f}x)"
+            for (b, mode) in fused if (b, mode) in plain and mode in ("graphs+pipelined", "captured forward only")]
+
+
+def write_docs(report: dict, sources: list[str]) -> None:
     from bench.report import markdown_table, update_docs_section
 
     rows = []
@@ -528,21 +539,47 @@ def write_docs(report: dict) -> None:
                          f"{r['share_of_roofline']:.0%}",
                          "—" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"))
 
-    def brief(key: str) -> str:
-        value = report.get(key) or {}
-        return json.dumps({k: v for k, v in value.items() if k not in ("traceback", "seconds")})
+    def hf_line(key: str, label: str) -> str:
+        v = report.get(key) or {}
+        if "prompts" not in v:
+            return f"- {label}: {v.get('error') or v.get('skipped') or 'not run'}"
+        return (f"- {label}: {v['identical']}/{v['prompts']} prompts give HF's greedy tokens exactly, "
+                f"{v['first_divergence_within_top5']}/{v['prompts']} diverge (if at all) within HF's top-5; largest "
+                f"logprob difference before a divergence {v['max_logprob_diff_before_divergence']:.2g}; backend "
+                f"{v['attention_backend']}, CUDA graphs {v['cuda_graphs']}, pipelined {v['pipelined']}; "
+                f"{v['same_tokens_without_graphs_and_pipelining']}/{v['prompts']} prompts give the same tokens "
+                f"eagerly and synchronously")
 
+    kernels = report.get("kernels") or {}
+    worst = max((kernels.get("max_abs_error") or {}).values(), default=float("nan"))
+    breakdown = []
+    for key in ("llama3_8b_shaped", "llama3_8b_unfused"):
+        for batch, kb in ((report.get(key) or {}).get("kernel_breakdown") or {}).items():
+            if kb and "top" in kb:
+                top = ", ".join(f"{t['kernel'][:32]} {t['us_per_step'] / 1e3:.2f} ms" for t in kb["top"][:3])
+                breakdown.append(f"- {key}, batch {batch}: {kb['kernels_per_step']:.0f} kernels, "
+                                 f"{kb['device_us_per_step'] / 1e3:.2f} ms of kernel time per eager step; most: {top}")
+    runs = " ".join(sources)
     update_docs_section("gpu", "\n\n".join([
         "## GPU (issue: GPU path)",
         f"Measured {report['date']} on one {report['device']} ({report['multiprocessors']} SMs; torch "
-        f"{report['torch']}, triton {report['triton']}); device-to-device copy bandwidth "
-        f"{report['copy_bandwidth_GBps']:.0f} GB/s (bytes read + written). Run on the device with:",
+        f"{report['torch']}, triton {report['triton']}, no flash-attn there, so the Triton backend is the one "
+        f"measured). Device-to-device copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s (bytes read + "
+        f"written) is the roofline's bandwidth. On a CUDA machine, in about two minutes:",
         "    python -m bench.gpu_check --smollm2-gguf SmolLM2-135M-Instruct.Q4_1.gguf",
-        "and re-print a saved run with `python -m bench.gpu_check --report bench/results/gpu_check.json`.",
-        f"Kernels against the torch backend on the device: `{brief('kernels')}`.",
-        f"Engine against HF transformers on the device, tiny random Llama in fp32: `{brief('tiny_vs_hf_fp32')}`; "
-        f"SmolLM2 in bf16: `{brief('smollm2_vs_hf')}`.",
+        f"Re-print these runs and rewrite this section: `python -m bench.gpu_check --report {runs}` (the run was "
+        "split over two calls with `--sections`, because the GGUF had to travel to the device in two parts).",
+        "**Targets (8B-shaped model, CUDA graphs and pipelined scheduling on)**",
         "\n".join(f"- {line}" for line in target_lines(report)),
+        "**Correctness on the device**",
+        "\n".join([f"- Triton kernels against the torch backend in {kernels.get('dtype')}: largest absolute error "
+                   f"{worst:.3g} (tolerance {kernels.get('tolerance')}), {'all within' if kernels.get('ok') else 'NOT all within'}",
+                   hf_line("tiny_vs_hf_fp32", "tiny random Llama against HF transformers, fp32"),
+                   hf_line("smollm2_vs_hf", "SmolLM2-135M-Instruct against HF transformers, bf16")]),
+        "**The decoder's Triton fusions, same run** (`gpu_fused_kernels`: residual add + RMSNorm, RoPE + K/V write)",
+        "\n".join(f"- {line}" for line in fusion_lines(report)),
+        "**Where an eager step's device time goes** (torch profiler)",
+        "\n".join(breakdown),
         markdown_table("decode steps against the HBM roofline: (weights read + each sequence's KV) / copy bandwidth; "
                        f"context {(report.get('llama3_8b_shaped') or {}).get('context')} tokens, bf16",
                        ["model", "batch", "mode", "step ms", "tok/s", "device idle ms/step", "roofline ms", "share",
@@ -588,7 +625,7 @@ def main() -> None:
         if report["device"] == "cpu":
             print("a CPU dry run: docs/BENCHMARKS.md keeps its GPU section")
         else:
-            write_docs(report)
+            write_docs(report, args.report)
         return
     report = run(args)
     print_report(report)
