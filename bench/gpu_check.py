@@ -251,8 +251,8 @@ def bytes_read_per_decode_step(engine, seq_lens: list[int]) -> tuple[int, int]:
     return weights, sum(seq_lens) * per_row
 
 
-def kernel_breakdown(engine, steps: int = 3, top: int = 12) -> dict | None:
-    """Where an eager decode step's device time goes: the kernels by total time (torch profiler).
+def kernel_breakdown(engine, steps: int = 3, top: int = 12, warm_steps: int = 2) -> dict | None:
+    """Where an eager step's device time goes: the kernels by total time (torch profiler).
     Graphs hide their kernels from the profiler, and replay the same ones without the launch gaps."""
     if engine.device.type != "cuda":
         return None
@@ -262,7 +262,7 @@ def kernel_breakdown(engine, steps: int = 3, top: int = 12) -> dict | None:
     graphs, pipelined = engine.runner.graphs, engine.pipelined
     engine.runner.graphs, engine.pipelined = None, False
     try:
-        for _ in range(2):
+        for _ in range(warm_steps):
             engine.step()
         sync(engine.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -376,6 +376,12 @@ def speed_suite(name: str, path: Path, device: torch.device, dtype: str, dummy: 
                 "share_of_roofline": (weights + kv) / bandwidth / fwd_s, "prefill_tok_s": None})
         try:
             result["kernel_breakdown"][str(batch)] = kernel_breakdown(engine)
+            if batch == max(batches) and device.type == "cuda":
+                # A mixed step: four new prompts' first chunks beside the running decodes (the prefill
+                # column's steps), profiled once.
+                extra = add(4, context, f"mixed{batch}-")
+                result["kernel_breakdown"][f"{batch}+prefill"] = kernel_breakdown(engine, steps=1, warm_steps=0)
+                ids += extra
         except Exception as exc:  # the profile is a diagnosis: never let it cost the section
             result["kernel_breakdown"][str(batch)] = {"error": f"{type(exc).__name__}: {exc}"}
         drain(ids)
