@@ -47,3 +47,11 @@ def test_the_step_path_makes_no_blocking_uploads(path):
                 and "device" in ast.unparse(node.args[0]) and "non_blocking" not in keywords:
             offenders.append(node.lineno)
     assert not offenders, f"{path}: blocking uploads at lines {offenders}; use engine.transfer.to_device"
+
+
+def test_to_device_stages_lists_on_the_host_under_a_default_device():
+    """Under `with torch.device(...)` a bare torch.tensor() would land on that device, where it cannot be
+    pinned; the staging tensor is made on the host whatever the default device is."""
+    with torch.device("meta"):
+        got = to_device([3, 1, 2], torch.device("cpu"), torch.long)
+    assert got.device.type == "cpu" and got.dtype == torch.long and got.tolist() == [3, 1, 2]
