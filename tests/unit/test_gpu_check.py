@@ -37,3 +37,33 @@ def test_speed_suite_reports_every_mode_against_the_roofline():
     # Each sequence's KV at the middle of the timed steps: a 64-token prompt, 3 warm-up steps, then 3 more.
     per_row = 2 * 2 * 2 * 32 * 4
     assert runs[0]["kv_bytes"] > 4 * 64 * per_row
+
+
+def _run(batch, mode, step_ms, roof_ms):
+    return {"batch": batch, "mode": mode, "step_ms": step_ms, "roofline_step_ms": roof_ms,
+            "share_of_roofline": roof_ms / step_ms}
+
+
+def test_targets_fusion_ratios_and_merged_runs():
+    import argparse
+
+    import pytest
+
+    from bench.gpu_check import fusion_lines, merge_reports, section_list, target_lines
+
+    fused = {"runs": [_run(64, "graphs+pipelined", 8.0, 5.8), _run(1, "graphs+pipelined", 5.0, 3.6)]}
+    plain = {"runs": [_run(64, "graphs+pipelined", 10.0, 5.8), _run(1, "graphs, synchronous", 6.0, 3.6)]}
+    a = {"device": "H", "seconds": 10, "kernels": {"ok": True}, "llama3_8b_shaped": fused}
+    b = {"device": "H", "seconds": 5, "llama3_8b_unfused": plain, "date": "later"}
+    merged = merge_reports([a, b])
+    assert merged["seconds"] == 15 and merged["llama3_8b_unfused"] is plain and "date" not in merged
+    assert target_lines(merged) == [
+        "target: decode at batch 64 >= 70% of the HBM roofline: 72.5% (met)",
+        "target: single-stream step within 1.5x of the roofline: 1.39x (met)"]
+    # Only the modes both decoders ran are compared.
+    assert fusion_lines(merged) == ["batch 64, graphs+pipelined: 10.00 ms unfused -> 8.00 ms fused (1.25x)"]
+    with pytest.raises(SystemExit):
+        merge_reports([a, {**b, "device": "other"}])
+    assert section_list("kernels, smollm2_speed") == ["kernels", "smollm2_speed"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        section_list("kernels,warp_drive")
