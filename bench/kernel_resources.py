@@ -1,0 +1,95 @@
+"""Registers and local memory of our Triton GPU kernels, compiled for a GPU target on a machine without one.
+
+    python -m bench.kernel_resources                 # sm_90 (H100/H200), the shapes of Llama-3-8B and SmolLM2
+    python -m bench.kernel_resources --arch 80       # another compute capability
+
+Triton compiles to a cubin with the ptxas it ships, and `cuobjdump --dump-resource-usage`
+(shipped beside it) reads each kernel's registers, local memory (spills land there) and
+shared memory. No device time is needed to see whether a tile is too large for the
+register file. The numbers come from this machine's Triton, which can differ from the
+device's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engine.attention.triton_kernels import _decode_kernel
+from engine.models.fused_ops import _add_rms_norm_kernel, _rope_kv_kernel, _silu_mul_kernel
+
+SHAPES = {  # (heads, KV heads, head dim, hidden, intermediate)
+    "llama3-8b": (32, 8, 128, 4096, 14336),
+    "smollm2": (9, 3, 64, 576, 1536),
+}
+
+
+def _p2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def kernels(h: int, kvh: int, d: int, hidden: int, inter: int) -> dict[str, tuple]:
+    """(jit function, signature, constexprs) of each kernel as the engine launches it in bf16."""
+    ptr, i32, i64, f32, c = "*bf16", "i32", "i64", "fp32", "constexpr"
+    g = h // kvh
+    rope = ({"qkv_ptr": ptr, "pos_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr, "kv_ptr": ptr, "slot_ptr": "*i64",
+             "s_row": i32, "s_cos": i32, "s_kv": i64, "s_slot": i32, **dict.fromkeys(
+                 ["NQ", "NKV", "NH_PAD", "NKV_PAD", "D", "D_PAD", "HALF", "HALF_PAD", "WRITE"], c)},
+            {"NQ": h, "NKV": kvh, "NH_PAD": _p2(h + kvh), "NKV_PAD": _p2(kvh), "D": d, "D_PAD": _p2(d), "HALF": d // 2,
+             "HALF_PAD": _p2(d // 2), "WRITE": True})
+    decode_sig = {"q_ptr": ptr, "kv_ptr": ptr, "bt_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": ptr,
+                  "part_ptr": "*fp32", "ml_ptr": "*fp32", "scale": f32, "blocks_per_split": i32,
+                  **dict.fromkeys(["s_qb", "s_qh", "s_kv", "s_blk", "s_tok", "s_head", "s_bt", "s_ob", "s_oh"], i32),
+                  **dict.fromkeys(["G", "G_PAD", "D", "D_PAD", "BS", "PAGES", "SPLIT", "PRECISION"], c)}
+    decode_consts = {"G": g, "G_PAD": max(16, _p2(g)), "D": d, "D_PAD": max(16, _p2(d)), "BS": 16, "PAGES": 4,
+                     "PRECISION": "tf32"}
+    norm = ({"x_ptr": ptr, "res_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "res_out_ptr": ptr, "n_cols": i32,
+             "eps": f32, "HAS_RES": c, "BLOCK": c}, {"HAS_RES": True, "BLOCK": _p2(hidden)})
+    silu = ({"gu_ptr": ptr, "out_ptr": ptr, "n_cols": i32, "BLOCK": c}, {"BLOCK": min(1024, _p2(inter))})
+    return {
+        "rope_kv": (_rope_kv_kernel, *rope),
+        "decode": (_decode_kernel, decode_sig, {**decode_consts, "SPLIT": False}),
+        "decode (split)": (_decode_kernel, decode_sig, {**decode_consts, "SPLIT": True}),
+        "add_rms_norm": (_add_rms_norm_kernel, *norm),
+        "silu_mul": (_silu_mul_kernel, *silu),
+    }
+
+
+def resource_usage(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4) -> dict:
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"cuobjdump printed no resource line for {fn.__name__}:\n{text}")
+    regs, stack, shared, local = map(int, found.groups())
+    return {"registers": regs, "stack": stack, "shared": shared, "local": local}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200 (default 90)")
+    args = ap.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    print(f"triton {triton.__version__}, sm_{args.arch}, 4 warps; local > 0 means spills")
+    print(f"{'model':10} {'kernel':15} {'registers':>9} {'local':>6} {'shared':>7}")
+    for model, shape in SHAPES.items():
+        for name, (fn, sig, consts) in kernels(*shape).items():
+            r = resource_usage(fn, sig, consts, args.arch)
+            print(f"{model:10} {name:15} {r['registers']:9d} {r['local']:6d} {r['shared']:7d}")
+
+
+if __name__ == "__main__":
+    main()
