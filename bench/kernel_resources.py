@@ -13,6 +13,7 @@ device's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -21,9 +22,6 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from engine.attention.triton_kernels import _decode_kernel
-from engine.models.fused_ops import _add_rms_norm_kernel, _rope_kv_kernel, _silu_mul_kernel
 
 SHAPES = {  # (heads, KV heads, head dim, hidden, intermediate)
     "llama3-8b": (32, 8, 128, 4096, 14336),
@@ -37,6 +35,11 @@ def _p2(n: int) -> int:
 
 def kernels(h: int, kvh: int, d: int, hidden: int, inter: int) -> dict[str, tuple]:
     """(jit function, signature, constexprs) of each kernel as the engine launches it in bf16."""
+    # Imported here, not at the top: importing decorates the kernels, and a process that runs them under
+    # TRITON_INTERPRET=1 (the CPU tests) must set that first.
+    from engine.attention.triton_kernels import _decode_kernel
+    from engine.models.fused_ops import _add_rms_norm_kernel, _rope_kv_kernel, _silu_mul_kernel
+
     ptr, i32, i64, f32, c = "*bf16", "i32", "i64", "fp32", "constexpr"
     g = h // kvh
     rope = ({"qkv_ptr": ptr, "pos_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr, "kv_ptr": ptr, "slot_ptr": "*i64",
@@ -82,7 +85,15 @@ def resource_usage(fn, signature: dict, constexprs: dict, arch: int, num_warps: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200 (default 90)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled; unset it")
+    if args.json:
+        print(json.dumps({model: {name: resource_usage(fn, sig, consts, args.arch)
+                                  for name, (fn, sig, consts) in kernels(*shape).items()}
+                          for model, shape in SHAPES.items()}))
+        return
     print(f"triton {triton.__version__}, sm_{args.arch}, 4 warps; local > 0 means spills")
     print(f"{'model':10} {'kernel':15} {'registers':>9} {'local':>6} {'shared':>7}")
     for model, shape in SHAPES.items():

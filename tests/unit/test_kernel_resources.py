@@ -1,12 +1,35 @@
-"""bench.kernel_resources compiles a Triton kernel for sm_90 here, with no GPU, and reads its resources."""
+"""bench.kernel_resources compiles the Triton kernels for sm_90 here, with no GPU, and reads their resources.
+
+It runs in a subprocess: this test process may run the same kernels under TRITON_INTERPRET=1
+(tests/unit/test_triton_kernels.py), and a process decorates its kernels one way only.
+"""
 
 from __future__ import annotations
 
-from bench.kernel_resources import SHAPES, kernels, resource_usage
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_rope_kernel_compiles_for_hopper_without_spilling():
-    fn, sig, consts = kernels(*SHAPES["smollm2"])["rope_kv"]
-    usage = resource_usage(fn, sig, consts, arch=90)
-    assert 0 < usage["registers"] <= 255
-    assert usage["local"] == 0 and usage["stack"] == 0
+def test_every_kernel_compiles_for_hopper_and_the_rope_kernel_does_not_spill():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    usage = json.loads(done.stdout)
+    assert set(usage) == {"llama3-8b", "smollm2"}
+    for kernels in usage.values():
+        assert set(kernels) == {"rope_kv", "decode", "decode (split)", "add_rms_norm", "silu_mul"}
+        assert all(0 < k["registers"] <= 255 for k in kernels.values())
+        assert kernels["rope_kv"]["local"] == 0 and kernels["rope_kv"]["stack"] == 0
+
+
+def test_it_refuses_to_run_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "bench.kernel_resources"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "TRITON_INTERPRET=1 is set" in done.stderr
