@@ -1,6 +1,7 @@
 """Registers and local memory of our Triton GPU kernels, compiled for a GPU target on a machine without one.
 
-    python -m bench.kernel_resources                 # sm_90 (H100/H200), the shapes of Llama-3-8B and SmolLM2
+    python -m bench.kernel_resources                 # sm_90 (H100/H200), the shapes of Llama-3-8B and SmolLM2,
+                                                     # and the decode kernel by blocks per iteration and warps
     python -m bench.kernel_resources --arch 80       # another compute capability
 
 Triton compiles to a cubin with the ptxas it ships, and `cuobjdump --dump-resource-usage`
@@ -82,24 +83,36 @@ def resource_usage(fn, signature: dict, constexprs: dict, arch: int, num_warps: 
     return {"registers": regs, "stack": stack, "shared": shared, "local": local}
 
 
+def decode_launches(arch: int, model: str = "llama3-8b") -> dict[str, dict]:
+    """The decode kernel's resources by blocks per iteration (PAGES) and warps, for one model's shape."""
+    fn, sig, consts = kernels(*SHAPES[model])["decode"]
+    return {f"pages={pages} warps={warps}": resource_usage(fn, sig, {**consts, "PAGES": pages}, arch, warps)
+            for pages in (1, 2, 4, 8) for warps in (4, 8)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200 (default 90)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled; unset it")
+    usage = {model: {name: resource_usage(fn, sig, consts, args.arch) for name, (fn, sig, consts) in kernels(*shape).items()}
+             for model, shape in SHAPES.items()}
+    launches = decode_launches(args.arch)
     if args.json:
-        print(json.dumps({model: {name: resource_usage(fn, sig, consts, args.arch)
-                                  for name, (fn, sig, consts) in kernels(*shape).items()}
-                          for model, shape in SHAPES.items()}))
+        print(json.dumps({"kernels": usage, "decode_launches_llama3_8b": launches}))
         return
-    print(f"triton {triton.__version__}, sm_{args.arch}, 4 warps; local > 0 means spills")
-    print(f"{'model':10} {'kernel':15} {'registers':>9} {'local':>6} {'shared':>7}")
-    for model, shape in SHAPES.items():
-        for name, (fn, sig, consts) in kernels(*shape).items():
-            r = resource_usage(fn, sig, consts, args.arch)
-            print(f"{model:10} {name:15} {r['registers']:9d} {r['local']:6d} {r['shared']:7d}")
+    print(f"triton {triton.__version__}, sm_{args.arch}; local or stack > 0 means spills")
+    print(f"{'model':10} {'kernel (4 warps)':17} {'registers':>9} {'local':>6} {'stack':>6} {'shared':>7}")
+    for model, rows in usage.items():
+        for name, r in rows.items():
+            print(f"{model:10} {name:17} {r['registers']:9d} {r['local']:6d} {r['stack']:6d} {r['shared']:7d}")
+    print("llama3-8b decode kernel by launch (warps an SM holds, about: whole programs of 65536 registers, 64 at most):")
+    for name, r in launches.items():
+        warps = int(name.rsplit("=", 1)[1])
+        per_sm = min(65536 // (r["registers"] * 32 * warps), 64 // warps) * warps
+        print(f"  {name:17} {r['registers']:9d} registers, stack {r['stack']:5d}, {per_sm:2d} warps per SM")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,17 @@ def test_every_kernel_compiles_for_hopper_and_the_rope_kernel_does_not_spill():
     done = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    usage = json.loads(done.stdout)
+    report = json.loads(done.stdout)
+    usage = report["kernels"]
     assert set(usage) == {"llama3-8b", "smollm2"}
     for kernels in usage.values():
         assert set(kernels) == {"rope_kv", "decode", "decode (split)", "add_rms_norm", "silu_mul"}
         assert all(0 < k["registers"] <= 255 for k in kernels.values())
         assert kernels["rope_kv"]["local"] == 0 and kernels["rope_kv"]["stack"] == 0
+    launches = report["decode_launches_llama3_8b"]
+    assert len(launches) == 8
+    # Fewer blocks per iteration hold fewer K/V rows in registers.
+    assert launches["pages=1 warps=4"]["registers"] < launches["pages=4 warps=4"]["registers"]
 
 
 def test_it_refuses_to_run_under_the_interpreter():
