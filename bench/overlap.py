@@ -15,8 +15,8 @@ round in one process: the stream alone, the FMAs alone, both interleaved. At sev
 per line (the arithmetic intensity) it reports the interleaved time over the longer arm (1.00 is
 perfect overlap) and over the sum (1.00 is none).
 
-With --throughput, the factor measured closest to each decode step's compute-to-memory ratio is
-applied to the saved bench.throughput run: the highest compute-roofline share the decode steps at
+With --throughput, the factor interpolated at each decode step's compute-to-memory ratio is applied
+to the saved bench.throughput run: the highest compute-roofline share the decode steps at
 batch >= 32 (and the whole workload) could reach if a layer's attention ran interleaved with the
 GEMMs in one instruction stream, on this core. Writes bench/results/overlap.json and its section
 of docs/BENCHMARKS.md.
@@ -206,6 +206,11 @@ def main() -> None:
         sys.exit("--mib must be at least 64, --rounds and --threads at least 1")
     from bench.throughput import progress_bar
 
+    per_lane = (args.mib << 18) // args.threads // 32  # ones each of the probe's fp32 vector lanes adds up
+    if per_lane > 1 << 24:
+        sys.exit(f"--mib {args.mib} is too large for {args.threads} threads: the probe's fp32 sums would no longer "
+                 "count every float exactly; use more threads or at most "
+                 f"{(1 << 24) * 32 * args.threads >> 18} MiB")
     buf = torch.ones(args.mib << 18)  # 4-byte floats; ones: the stream's sum is known
     expected = float(buf.numel() // args.threads // 32 * 32 * args.threads)
     with progress_bar("building the probe", 1) as advance:
