@@ -30,7 +30,7 @@ def fuzzed(stack_config, local_stack, redis_url, tmp_path_factory):
     detail = {k: v for k, v in outcome.detail.items() if k != "rss_samples"}
     print(outcome.row())
     print(json.dumps({"codes": detail["codes"], "by_category": detail["by_category"],
-                      "rss": {k: detail[k] for k in ("baseline_kb", "rss_after_round_kb", "rss_max_after_kb", "final_kb",
+                      "rss": {k: detail[k] for k in ("baseline_kb", "rss_after_round_kb", "rss_peak_kb", "final_kb",
                                                     "rss_growth")}}, indent=1))
     return outcome
 

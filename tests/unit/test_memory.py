@@ -11,7 +11,7 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.structs import TopicPartition
 
-from worker.memory import collect_cycles, freeze_startup_objects
+from worker.memory import collect_cycles, freeze_startup_objects, release_free_heap
 
 
 @pytest.fixture
@@ -80,3 +80,25 @@ def test_frozen_objects_are_kept_out_of_collections(no_automatic_gc):
 
 class _Node:
     me: _Node | None = None
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.skipif(release_free_heap() is None, reason="the C library has no malloc_trim (not glibc)")
+def test_release_free_heap_hands_freed_blocks_in_the_middle_of_the_heap_back():
+    # 64 KiB blocks come from the heap (below glibc's mmap threshold); a block allocated after them keeps the
+    # freed space in the middle of the heap, where free() alone never returns it to the system.
+    blocks = [bytearray(64 << 10) for _ in range(2048)]  # 128 MiB, every page written (bytearray zero-fills)
+    pin = bytearray(64 << 10)
+    del blocks
+    held = _rss_kb()
+    assert release_free_heap() is True
+    released = held - _rss_kb()
+    assert released > 96 << 10, f"only {released} kB of the 131072 kB freed went back to the system"
+    assert len(pin) == 64 << 10
