@@ -157,7 +157,8 @@ class WorkerMetrics:
 
         self.gc_pause = Histogram(
             "infinilm_gc_pause_seconds",
-            "Seconds each timed full garbage collection held the worker's event loop (worker/memory.py).",
+            "Seconds each timed full garbage collection, with the malloc_trim after it, held the worker's event loop "
+            "(worker/memory.py).",
             buckets=GC_PAUSE_BUCKETS,
             registry=r,
         )
