@@ -343,7 +343,7 @@ def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
     totals: dict[str, float] = defaultdict(float)
     targets = {"schedule": (engine.scheduler, "schedule"), "prepare inputs": (engine.runner, "_prepare"),
                "model forward": (engine.runner.model, "forward"), "lm head": (engine.runner.model, "compute_logits"),
-               "sample": (model_runner, "sample"), "scheduler update": (engine.scheduler, "update"),
+               "sample": (model_runner, "sample_on_device"), "scheduler update": (engine.scheduler, "update"),
                "outputs/detokenize": (engine.output_processor, "process")}
 
     def timed(name, fn):

@@ -65,3 +65,24 @@ def test_a_single_probe_adds_no_probe_row() -> None:
     r = run([10.0])
     a = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
     assert "peak_probes_gflops" not in a and a["roofline_share"] == pytest.approx(0.5)
+
+
+def test_phase_timers_reach_every_phase_of_a_real_engine_step(tiny_llama):
+    # The profile (`bench.throughput --profile`) wraps engine internals by name; a rename there must fail here,
+    # not only when someone next profiles.
+    from bench.throughput import phase_timers
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    with phase_timers(llm) as totals:
+        outputs = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(outputs[0].token_ids) == 3
+    phases = {"schedule", "prepare inputs", "model forward", "lm head", "sample", "scheduler update",
+              "outputs/detokenize"}
+    assert set(totals) == phases
+    assert all(totals[p] > 0 for p in phases), dict(totals)
+    # The wrappers are removed afterwards: the engine runs unwrapped again.
+    import engine.model_runner as model_runner
+    from engine.sampler import sample_on_device
+
+    assert model_runner.sample_on_device is sample_on_device
