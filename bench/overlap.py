@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.report import REPO, RESULTS, publish_table, run_info, write_json
+from bench.roofline import DecodeStepTimes, FlopModel
 
 FMA_GROUPS_PER_LINE = (1, 2, 3, 4, 6, 8)
 # Prefetch plans tried for the arms that stream, (hint, bytes ahead); hint 0 = T0 (into L1), 1 = T1 (L2), 2 = T2.
@@ -166,8 +167,7 @@ def factor_at(rows: list[dict], ratio: float) -> float:
     return y0 + (y1 - y0) * (ratio - x0) / (x1 - x0)
 
 
-def decode_bounds(run: dict, rows: list[dict], kv_token_bytes: int, linear_per_token: int, lm_head_per_row: int,
-                  attention_per_context: int) -> dict:
+def decode_bounds(run: dict, rows: list[dict], flops: FlopModel, kv_token_bytes: int) -> dict:
     """The saved bench.throughput run's decode-only steps, bounded with GEMMs and attention overlapped as well as
     this core overlaps the probe's stream and FMAs: each step takes factor_at(c / m) * max(c, m), where c is its
     FLOPs at the GEMM peak and m its weights and KV at the read rate of that run, or its time with the GEMMs and
@@ -179,11 +179,9 @@ def decode_bounds(run: dict, rows: list[dict], kv_token_bytes: int, linear_per_t
     for _, prefill, n, ctx in eng["steps"]:
         if prefill or not n:
             continue
-        gemm_c, attn_c = n * (linear_per_token + lm_head_per_row) / peak, attention_per_context * ctx / peak
-        weights_m, kv_m = weight_bytes / bandwidth, ctx * kv_token_bytes / bandwidth
-        c, m = gemm_c + attn_c, weights_m + kv_m
-        serial = max(gemm_c, weights_m) + max(attn_c, kv_m)
-        t = min(serial, factor_at(rows, c / m) * max(c, m))
+        step = DecodeStepTimes.of(flops, n, ctx, weight_bytes, kv_token_bytes, peak, bandwidth)
+        c, m = step.compute, step.memory
+        t = min(step.in_turns, factor_at(rows, c / m) * max(c, m))
         extra += t - c
         if n >= min_batch:
             dec_c, dec_t = dec_c + c, dec_t + t
@@ -267,9 +265,7 @@ def _bounds_for(run: dict, rows: list[dict]) -> dict:
     from engine.models.config import ModelConfig
 
     mc = ModelConfig.from_folder(resolve_model("smollm2"))
-    flops = roofline.FlopModel.from_config(mc)
-    return decode_bounds(run, rows, roofline.kv_bytes_per_token(mc), flops.linear_per_token, flops.lm_head_per_row,
-                         flops.attention_per_context)
+    return decode_bounds(run, rows, roofline.FlopModel.from_config(mc), roofline.kv_bytes_per_token(mc))
 
 
 def _bounds_text(b: dict, path: Path) -> str:

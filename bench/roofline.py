@@ -140,5 +140,37 @@ class FlopModel:
                 + attended * self.attention_per_context)
 
 
+@dataclass(frozen=True)
+class DecodeStepTimes:
+    """A decode step's four lower bounds, in seconds: its GEMMs (LM head included) and its attention at the
+    compute peak, and its weights and KV at the read rate."""
+
+    gemm: float
+    attention: float
+    weights: float
+    kv: float
+
+    @classmethod
+    def of(cls, flops: FlopModel, num_seqs: int, context_sum: int, weight_bytes: int, kv_token_bytes: int,
+           peak_flops: float, read_bytes_s: float) -> DecodeStepTimes:
+        return cls(num_seqs * (flops.linear_per_token + flops.lm_head_per_row) / peak_flops,
+                   flops.attention_per_context * context_sum / peak_flops,
+                   weight_bytes / read_bytes_s, context_sum * kv_token_bytes / read_bytes_s)
+
+    @property
+    def compute(self) -> float:
+        return self.gemm + self.attention
+
+    @property
+    def memory(self) -> float:
+        return self.weights + self.kv
+
+    @property
+    def in_turns(self) -> float:
+        """GEMMs (at the peak, or reading the weights, if slower), then attention (at the peak, or reading its
+        KV, if slower), as the engine's layers run them: no overlap between the two."""
+        return max(self.gemm, self.weights) + max(self.attention, self.kv)
+
+
 def kv_bytes_per_token(mc: ModelConfig, element_size: int = 4) -> int:
     return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * element_size

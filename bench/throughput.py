@@ -421,10 +421,7 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
     floor_step = weight_bytes / bandwidth
 
     def serial_step(n: int, ctx: int) -> float:
-        """A decode step whose GEMMs (at the peak, or reading the weights, if slower) and attention (at the
-        peak, or reading its KV, if slower) take turns, as the engine's layers run them: no overlap."""
-        gemm = max(n * (flops.linear_per_token + flops.lm_head_per_row) / peak, weight_bytes / bandwidth)
-        return gemm + max(flops.attention_per_context * ctx / peak, ctx * kv_token_bytes / bandwidth)
+        return roofline.DecodeStepTimes.of(flops, n, ctx, weight_bytes, kv_token_bytes, peak, bandwidth).in_turns
 
     dec_serial = sum(serial_step(n, ctx) for _, _, n, ctx in dec)
     # The other two phases on the compute roof: steps with prefill (their FLOPs are the workload's minus those

@@ -81,25 +81,20 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.fused_rope_kv:
+        if self.fused_rope_kv:  # RoPE in place and K/V into the cache, one launch; the backend skips its write
             from engine.models.fused_ops import rope_write_kv
 
             rope_write_kv(qkv, positions, rope.cos, rope.sin, self.num_heads, self.num_kv_heads, self.head_dim,
                           kv_cache, meta.slot_mapping)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            out = self.backend.forward(q.view(n, self.num_heads, self.head_dim),
-                                       k.view(n, self.num_kv_heads, self.head_dim),
-                                       v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta)
-            del qkv, q, k, v
-            return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         del qkv
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rope.apply_(positions, q, k)  # in place: q and k are views of this layer's qkv output
+        if not self.fused_rope_kv:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            rope.apply_(positions, q, k)  # in place: q and k are views of this layer's qkv output
         out = self.backend.forward(q, k, v, kv_cache, meta)
         del q, k, v  # the qkv output is not needed past attention: free it before o_proj allocates
         return self.o_proj(out)

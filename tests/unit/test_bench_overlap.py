@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench.overlap import arm_medians, decode_bounds, factor_at, overlap_factors, probe
+from bench.roofline import FlopModel
 
 ROWS = overlap_factors({
     1: {"stream": 4.0, "compute": 2.0, "both": 5.0},  # compute/stream 0.5, 1.25 over the longer
@@ -53,8 +54,8 @@ def test_decode_bounds_take_each_step_overlapped_or_in_turns_whichever_is_shorte
                      "roofline_share_bound_serial": 0.7},
     }
     # per row: linear 0.09 GFLOP + LM head 0.01 GFLOP; attention 1 GFLOP and 1 GB of KV per context row
-    bounds = decode_bounds(run, ROWS, kv_token_bytes=g, linear_per_token=9 * 10**7, lm_head_per_row=10**7,
-                           attention_per_context=g)
+    bounds = decode_bounds(run, ROWS, FlopModel(linear_per_token=9 * 10**7, lm_head_per_row=10**7,
+                                                attention_per_context=g), kv_token_bytes=g)
     # Batch 40: c = 6 s, m = 4 s, ratio 1.5 -> factor 1.25 -> 7.5 s overlapped; in turns max(4, 2) + max(2, 2) = 6 s.
     # Batch 8: c = 4.8 s, m = 6 s, ratio 0.8 -> factor 1.4 -> 8.4 s; in turns max(0.8, 2) + max(4, 4) = 6 s.
     assert bounds["decode_share_bound_overlap"] == pytest.approx(6 / 6)
@@ -69,8 +70,8 @@ def test_decode_bounds_use_the_overlap_where_it_beats_taking_turns():
            "roofline": {"decode_min_batch": 32, "weight_bytes": 2 * g, "decode_share": 0.4,
                         "decode_share_bound_serial": 0.6, "roofline_s": 6.0, "roofline_share": 0.5,
                         "roofline_share_bound_serial": 0.7}}
-    kw = {"kv_token_bytes": g, "linear_per_token": 9 * 10**7, "lm_head_per_row": 10**7,
-          "attention_per_context": g // 4}
+    kw = {"kv_token_bytes": g,
+          "flops": FlopModel(linear_per_token=9 * 10**7, lm_head_per_row=10**7, attention_per_context=g // 4)}
     # GEMMs 4 s against 2 s of weights, attention 0.5 s against 2 s of KV: c = 4.5 s, m = 4 s, in turns 4 + 2 = 6 s.
     perfect = overlap_factors({1: {"stream": 1.0, "compute": 1.0, "both": 1.0}})  # a core that overlaps fully
     assert decode_bounds(run, perfect, **kw)["decode_share_bound_overlap"] == pytest.approx(4.5 / 4.5)
