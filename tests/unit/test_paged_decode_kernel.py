@@ -44,7 +44,7 @@ def batch(g, heads, head_dim, block_size, spare_blocks=5):
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 2, 32),
                                                              (4, 1, 48)])
-@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_matches_the_reference(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
     lens, num_blocks, tables, q = batch(g, heads, head_dim, block_size)
@@ -85,7 +85,7 @@ def int8_cache(g, num_blocks, block_size, kv_heads, head_dim):
 # head_dim 64 and 128 take the AVX-512 sequence-per-task path (where the CPU has it), 32 and 48 the
 # per-(sequence, KV head) path; both dequantize value * scale and attend in fp32.
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 32), (4, 1, 48)])
-@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_int8_cache_matches_the_reference_on_its_dequantized_rows(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 10 + head_dim + block_size)
     lens, num_blocks, tables, q = batch(g, heads, head_dim, block_size, spare_blocks=3)

@@ -202,9 +202,9 @@ alignas(64) static const float kZeroRow[256] = {};
 struct Fp32Rows {
   const float* base[2];
   int64_t blk_stride, tok_stride, head_stride, block_bytes;
-  // Lines [part, part + 1) / parts of block blk's span.
-  void prefetch(int side, int64_t blk, int64_t part, int64_t parts, int hint_l2) const {
-    const int64_t lines = block_bytes / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+  int64_t lines() const { return block_bytes / 64; }
+  // Lines [lo, hi) of block blk's span.
+  void prefetch_lines(int side, int64_t blk, int64_t lo, int64_t hi, int hint_l2) const {
     prefetch_bytes(reinterpret_cast<const char*>(base[side] + blk * blk_stride) + lo * 64, (hi - lo) * 64, hint_l2);
   }
   // rows[j] = row j0 + j of block blk, KV head kh, for j < m; scratch is unused.
@@ -214,40 +214,54 @@ struct Fp32Rows {
   }
 };
 
-// One sequence, all heads (D = 16 * NV). Pass 1 reads K block by block, contiguously, with the next
-// block prefetched into L1 and this block's V into L2, and writes every head's scores, sixteen
-// tokens per reduction; exact softmax per head; pass 2 reads V the same way, the next block
-// prefetched into L1. Prefetches are issued a KV head's share at a time, between the computations,
-// which ran faster than a whole block's worth at once in an ad hoc A/B (fp32, batch 48, 512-token
-// contexts); the likely reason is that a burst of misses fills the core's line-fill buffers and
-// stalls the computation until the lines arrive. Scratch: BS * D floats (used by Rows that
-// dequantize), BS + 16 row pointers. Its effect, with the panel GEMM kernel's, is in
-// bench.throughput's figures.
+// Where a block's prefetches go out: spread evenly over the row steps of the pass that reads the block
+// before, a line or two per step. Pass 1's step r of a block (r = 16 * (chunk * H + head) + row) sends lines
+// [cut[r], cut[r + 1]) of the next K block to L1 and of this V block to L2; pass 2's step r (r = head *
+// ceil(BS / 2) + row / 2) sends lines [cut2[r], cut2[r + 1]) of the next V block to L1. Until 2026-12-04 they
+// went out a KV head's share at a time (64 lines at once for SmolLM2's heads); spread, a step takes
+// 1.1-1.2x less time on KV streamed from memory (bench.decode_attention --base), the likely reason being
+// that a burst of misses fills the core's line-fill buffers and the computation's own loads wait for them.
+struct PrefetchPlan {
+  std::vector<int64_t> cut, cut2;
+  PrefetchPlan(int64_t lines, int64_t BS, int64_t H) {
+    const int64_t R = (BS + 15) / 16 * H * 16, R2 = H * ((BS + 1) / 2);
+    for (int64_t r = 0; r <= R; ++r) cut.push_back(lines * r / R);
+    for (int64_t r = 0; r <= R2; ++r) cut2.push_back(lines * r / R2);
+  }
+};
+
+// One sequence, all heads (D = 16 * NV). Pass 1 reads K block by block, contiguously, and writes every
+// head's scores, sixteen tokens per reduction; exact softmax per head; pass 2 reads V the same way. Scratch:
+// BS * D floats (used by Rows that dequantize), BS + 16 row pointers.
 template <int NV, typename Rows>
 static void decode_seq_512(const float* q, float* out, const Rows& src, const int64_t* table, int64_t L, int64_t BS,
                            int64_t H, int64_t KVH, float scale, float* scores, int64_t Ls, float* scratch,
-                           const float** ptrs) {
+                           const float** ptrs, const PrefetchPlan& plan) {
+  const int64_t* cut = plan.cut.data();
+  const int64_t* cut2 = plan.cut2.data();
   constexpr int64_t D = 16 * NV;
   const int64_t G = H / KVH, nblk = (L + BS - 1) / BS;
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
+    const int64_t knext = i + 1 < nblk ? table[i + 1] : -1;
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t kh = 0; kh < KVH; ++kh) {
-        if (j0 == 0) {  // a share of the next K block into L1 and of this V block into L2, per KV head
-          if (i + 1 < nblk) src.prefetch(0, table[i + 1], kh, KVH, 0);
-          src.prefetch(1, table[i], kh, KVH, 1);
-        }
         const float* rows[16];
         src.rows(0, table[i], j0, m, kh, scratch, rows);
         for (int64_t jj = m; jj < 16; ++jj) rows[jj] = kZeroRow;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
+          const int64_t* c0 = cut + 16 * ((j0 / 16) * H + h);
           __m512 qv[NV];
           for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + h * D + 16 * c);
           __m512 a[16];
           for (int jj = 0; jj < 16; ++jj) {
+            if (c0[jj + 1] > c0[jj]) {
+              if (knext >= 0) src.prefetch_lines(0, knext, c0[jj], c0[jj + 1], 0);
+              src.prefetch_lines(1, table[i], c0[jj], c0[jj + 1], 1);
+            }
             __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[jj]));
             for (int c = 1; c < NV; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[jj] + 16 * c), s);
             a[jj] = s;
@@ -267,18 +281,21 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
   }
   for (int64_t h = 0; h < H; ++h)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_setzero_ps());
+  const int64_t half = (BS + 1) / 2;
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
+    const int64_t vnext = i + 1 < nblk ? table[i + 1] : -1;
     for (int64_t kh = 0; kh < KVH; ++kh) {
-      if (i + 1 < nblk) src.prefetch(1, table[i + 1], kh, KVH, 0);
       src.rows(1, table[i], 0, n, kh, scratch, ptrs);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kh * G + g;
+        const int64_t* c0 = cut2 + h * half;
         const float* p = scores + h * Ls + i * BS;
         __m512 acc[NV], acc2[NV];
         for (int c = 0; c < NV; ++c) { acc[c] = _mm512_loadu_ps(out + h * D + 16 * c); acc2[c] = _mm512_setzero_ps(); }
         int64_t j = 0;
         for (; j + 2 <= n; j += 2) {
+          if (vnext >= 0 && c0[j / 2 + 1] > c0[j / 2]) src.prefetch_lines(1, vnext, c0[j / 2], c0[j / 2 + 1], 0);
           const float* r0 = ptrs[j];
           const float* r1 = ptrs[j + 1];
           const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
@@ -310,6 +327,7 @@ static void decode_batch_avx512(float* op, const float* qp, const Rows& src, con
   std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(), [sl](int64_t a, int64_t b) { return sl[a] > sl[b]; });
   std::atomic<int64_t> next{0};
+  const PrefetchPlan plan(src.lines(), BS, H);
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores, scratch(BS * D);
@@ -327,10 +345,10 @@ static void decode_batch_avx512(float* op, const float* qp, const Rows& src, con
       scores.resize(H * Ls);
       if (D == 64)
         decode_seq_512<4>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
-                          scratch.data(), ptrs.data());
+                          scratch.data(), ptrs.data(), plan);
       else
         decode_seq_512<8>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
-                          scratch.data(), ptrs.data());
+                          scratch.data(), ptrs.data(), plan);
     }
   });
 }

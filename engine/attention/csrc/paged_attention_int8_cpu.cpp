@@ -29,10 +29,10 @@ struct Int8Rows {
   const int8_t* base[2];
   const at::Half* scales[2];
   int64_t BS, KVH, D, block_bytes;
-  void prefetch(int side, int64_t blk, int64_t part, int64_t parts, int hint_l2) const {
-    const int64_t lines = block_bytes / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+  int64_t lines() const { return block_bytes / 64; }
+  void prefetch_lines(int side, int64_t blk, int64_t lo, int64_t hi, int hint_l2) const {
     prefetch_bytes(base[side] + blk * BS * KVH * D + lo * 64, (hi - lo) * 64, hint_l2);
-    if (part == 0) prefetch_bytes(scales[side] + blk * BS * KVH, BS * KVH * 2, hint_l2);
+    if (lo == 0) prefetch_bytes(scales[side] + blk * BS * KVH, BS * KVH * 2, hint_l2);
   }
   void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float* scratch, const float** out) const {
     for (int64_t j = 0; j < m; ++j) {
