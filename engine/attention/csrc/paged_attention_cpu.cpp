@@ -203,10 +203,9 @@ struct Fp32Rows {
   const float* base[2];
   int64_t blk_stride, tok_stride, head_stride, block_bytes;
   int64_t lines() const { return block_bytes / 64; }
-  // Lines [lo, hi) of block blk's span.
-  void prefetch_lines(int side, int64_t blk, int64_t lo, int64_t hi, int hint_l2) const {
-    prefetch_bytes(reinterpret_cast<const char*>(base[side] + blk * blk_stride) + lo * 64, (hi - lo) * 64, hint_l2);
-  }
+  // The first byte of block blk's span (lines() lines), and what else the block needs (nothing here).
+  const char* span(int side, int64_t blk) const { return reinterpret_cast<const char*>(base[side] + blk * blk_stride); }
+  void prefetch_extra(int, int64_t, int) const {}
   // rows[j] = row j0 + j of block blk, KV head kh, for j < m; scratch is unused.
   void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float*, const float** out) const {
     const float* r = base[side] + blk * blk_stride + j0 * tok_stride + kh * head_stride;
@@ -244,7 +243,11 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
-    const int64_t knext = i + 1 < nblk ? table[i + 1] : -1;
+    // Lines of the next K block go to L1, lines of this V block to L2 (with whatever else the blocks need).
+    const char* kpf = i + 1 < nblk ? src.span(0, table[i + 1]) : nullptr;
+    const char* vpf = src.span(1, table[i]);
+    if (kpf) src.prefetch_extra(0, table[i + 1], 0);
+    src.prefetch_extra(1, table[i], 1);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t kh = 0; kh < KVH; ++kh) {
@@ -257,10 +260,11 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
           __m512 qv[NV];
           for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + h * D + 16 * c);
           __m512 a[16];
+#pragma GCC unroll 16
           for (int jj = 0; jj < 16; ++jj) {
-            if (c0[jj + 1] > c0[jj]) {
-              if (knext >= 0) src.prefetch_lines(0, knext, c0[jj], c0[jj + 1], 0);
-              src.prefetch_lines(1, table[i], c0[jj], c0[jj + 1], 1);
+            for (int64_t l = c0[jj]; l < c0[jj + 1]; ++l) {
+              if (kpf) _mm_prefetch(kpf + 64 * l, _MM_HINT_T0);
+              _mm_prefetch(vpf + 64 * l, _MM_HINT_T1);
             }
             __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[jj]));
             for (int c = 1; c < NV; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[jj] + 16 * c), s);
@@ -284,7 +288,7 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
   const int64_t half = (BS + 1) / 2;
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
-    const int64_t vnext = i + 1 < nblk ? table[i + 1] : -1;
+    const char* vpf = i + 1 < nblk ? src.span(1, table[i + 1]) : nullptr;
     for (int64_t kh = 0; kh < KVH; ++kh) {
       src.rows(1, table[i], 0, n, kh, scratch, ptrs);
       for (int64_t g = 0; g < G; ++g) {
@@ -295,7 +299,8 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
         for (int c = 0; c < NV; ++c) { acc[c] = _mm512_loadu_ps(out + h * D + 16 * c); acc2[c] = _mm512_setzero_ps(); }
         int64_t j = 0;
         for (; j + 2 <= n; j += 2) {
-          if (vnext >= 0 && c0[j / 2 + 1] > c0[j / 2]) src.prefetch_lines(1, vnext, c0[j / 2], c0[j / 2 + 1], 0);
+          if (vpf)
+            for (int64_t l = c0[j / 2]; l < c0[j / 2 + 1]; ++l) _mm_prefetch(vpf + 64 * l, _MM_HINT_T0);
           const float* r0 = ptrs[j];
           const float* r1 = ptrs[j + 1];
           const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);

@@ -30,9 +30,10 @@ struct Int8Rows {
   const at::Half* scales[2];
   int64_t BS, KVH, D, block_bytes;
   int64_t lines() const { return block_bytes / 64; }
-  void prefetch_lines(int side, int64_t blk, int64_t lo, int64_t hi, int hint_l2) const {
-    prefetch_bytes(base[side] + blk * BS * KVH * D + lo * 64, (hi - lo) * 64, hint_l2);
-    if (lo == 0) prefetch_bytes(scales[side] + blk * BS * KVH, BS * KVH * 2, hint_l2);
+  const char* span(int side, int64_t blk) const { return reinterpret_cast<const char*>(base[side] + blk * BS * KVH * D); }
+  // A block's fp16 scales, beside its codes.
+  void prefetch_extra(int side, int64_t blk, int hint_l2) const {
+    prefetch_bytes(scales[side] + blk * BS * KVH, BS * KVH * 2, hint_l2);
   }
   void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float* scratch, const float** out) const {
     for (int64_t j = 0; j < m; ++j) {
