@@ -217,9 +217,9 @@ struct Fp32Rows {
 // before, a line or two per step. Pass 1's step r of a block (r = 16 * (chunk * H + head) + row) sends lines
 // [cut[r], cut[r + 1]) of the next K block to L1 and of this V block to L2; pass 2's step r (r = head *
 // ceil(BS / 2) + row / 2) sends lines [cut2[r], cut2[r + 1]) of the next V block to L1. Until 2026-12-04 they
-// went out a KV head's share at a time (64 lines at once for SmolLM2's heads); spread, a step takes
-// 1.1-1.2x less time on KV streamed from memory (bench.decode_attention --base), the likely reason being
-// that a burst of misses fills the core's line-fill buffers and the computation's own loads wait for them.
+// went out a KV head's share at a time (64 lines at once for SmolLM2's heads); spread, a step at batch 32-64
+// runs 1.13-1.17x as fast on KV streamed from memory (bench.decode_attention --base), the likely reason
+// being that a burst of misses fills the core's line-fill buffers and the computation's own loads wait.
 struct PrefetchPlan {
   std::vector<int64_t> cut, cut2;
   PrefetchPlan(int64_t lines, int64_t BS, int64_t H) {

@@ -32,7 +32,7 @@ static void tile(const float* a, int64_t lda, const float* panel, int64_t K, flo
     acc0[i] = _mm512_setzero_ps();
     acc1[i] = _mm512_setzero_ps();
   }
-  const int64_t steps = PF == 0 ? 0 : lines / (PF == 0 ? 1 : PF);  // (no division by zero at PF = 0)
+  const int64_t steps = PF > 0 ? lines / (PF > 0 ? PF : 1) : 0;
   const int64_t gap = PF == 0 && lines > 0 ? (K << 16) / lines : 0;
   int64_t issued = 0, next = PF == 0 && lines > 0 ? 0 : K;
   for (int64_t k = 0; k < K; ++k) {
@@ -123,7 +123,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   // or two where a single tile holds every row from 4 rows up (the panel's lines are 2 x K, so one line
   // per step would leave half of it to the hardware prefetcher). Below 4 rows a step is too short for two.
   // From 3 tiles up a share is fewer lines than steps, and goes out evenly over all of them (tile<.., 0>):
-  // 1.07-1.11x at 32-64 rows over sending one a step from k = 0, bitwise the same.
+  // 1.06-1.14x at 32-64 rows over sending one a step from k = 0, bitwise the same.
   // `.venv/bin/python -m bench.panel_gemm --base REV` times this against an earlier commit's kernel.
   const int64_t panel_lines = K * kCols * 4 / 64;
   const int64_t pf = ntiles == 1 && M >= 4 ? 2 : 1;
