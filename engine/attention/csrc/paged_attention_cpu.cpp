@@ -195,21 +195,39 @@ static inline void prefetch_bytes(const void* p, int64_t bytes, int hint_l2) {
 
 alignas(64) static const float kZeroRow[256] = {};
 
-// Where decode_seq_512 reads K (side 0) and V (side 1) rows: an fp32 cache is read in place; an
-// int8 cache (paged_attention_int8_cpu.cpp) dequantizes up to one block's rows of one KV head into
-// a small scratch that stays in L1 (value * scale, exact in fp32, as the torch reference computes
-// it), so the arithmetic after that is the same code for both.
+// Where decode_seq_512 reads K and V rows: an fp32 cache is read in place (Fp32Rows); an int8 cache
+// (Int8Rows, paged_attention_int8_cpu.cpp) converts up to one block's K rows of one KV head to fp32 in a
+// small scratch that stays in L1 and scales the rows' scores, and converts V rows as pass 2 reads them,
+// folding each row's scale into its weight. The arithmetic after that is the same code for both.
+// V rows for pv_heads, fp32 in place through row pointers; the weights are the probabilities.
+struct PtrRows {
+  const float* const* ptrs;
+  __m512 vec(int64_t j, int c) const { return _mm512_loadu_ps(ptrs[j] + 16 * c); }
+  float weight(const float* p, int64_t j) const { return p[j]; }
+};
+
 struct Fp32Rows {
+  static constexpr bool kPrefetchPerRow = true;
   const float* base[2];
   int64_t blk_stride, tok_stride, head_stride, block_bytes;
   int64_t lines() const { return block_bytes / 64; }
   // The first byte of block blk's span (lines() lines), and what else the block needs (nothing here).
   const char* span(int side, int64_t blk) const { return reinterpret_cast<const char*>(base[side] + blk * blk_stride); }
   void prefetch_extra(int, int64_t, int) const {}
-  // rows[j] = row j0 + j of block blk, KV head kh, for j < m; scratch is unused.
-  void rows(int side, int64_t blk, int64_t j0, int64_t m, int64_t kh, float*, const float** out) const {
-    const float* r = base[side] + blk * blk_stride + j0 * tok_stride + kh * head_stride;
+  // K: rows[j] = row j0 + j of block blk, KV head kh, for j < m; scratch is unused, and so is row_scale
+  // (kRowScales: the rows are the values themselves).
+  static constexpr bool kRowScales = false;
+  template <int NV>
+  void rows(int64_t blk, int64_t j0, int64_t m, int64_t kh, float*, const float** out, float*) const {
+    const float* r = base[0] + blk * blk_stride + j0 * tok_stride + kh * head_stride;
     for (int64_t j = 0; j < m; ++j) out[j] = r + j * tok_stride;
+  }
+  // V: the n rows of block blk, KV head kh, for pv_heads.
+  template <int NV>
+  PtrRows pass2_rows(int64_t blk, int64_t n, int64_t kh, float*, const float** ptrs) const {
+    const float* r = base[1] + blk * blk_stride + kh * head_stride;
+    for (int64_t j = 0; j < n; ++j) ptrs[j] = r + j * tok_stride;
+    return PtrRows{ptrs};
   }
 };
 
@@ -228,6 +246,49 @@ struct PrefetchPlan {
     for (int64_t r = 0; r <= R2; ++r) cut2.push_back(lines * r / R2);
   }
 };
+
+// Pass 2 of decode_seq_512 for HG heads that share a KV head: out[g] += sum_j w(g, j) * row_j over the
+// block's n rows, the heads side by side in one pass over the rows. `rows` gives vector c of row j
+// (rows.vec(j, c)) and head g's weight for row j (rows.weight(p + g * Ls, j)). Per head the sum is the same
+// sequence of FMAs as one head at a time (even rows into one accumulator, odd rows into another, added at the
+// end); side by side there are HG times as many independent chains, and each row is read, and each prefetch
+// step taken, once rather than once per head. Step s of the rows sends lines [cut[HG * s], cut[HG * (s + 1)])
+// of the next V block (vpf) to L1 (PerRow), or all of the group's at the start.
+template <int NV, int HG, bool PerRow, typename RowReader>
+static inline void pv_heads(const RowReader& rows, const float* p, int64_t Ls, int64_t n, float* out,
+                            const char* vpf, const int64_t* cut) {
+  constexpr int64_t D = 16 * NV;
+  __m512 acc[HG][NV], acc2[HG][NV];
+  for (int g = 0; g < HG; ++g)
+    for (int c = 0; c < NV; ++c) { acc[g][c] = _mm512_loadu_ps(out + g * D + 16 * c); acc2[g][c] = _mm512_setzero_ps(); }
+  if (!PerRow && vpf)
+    for (int64_t l = cut[0]; l < cut[HG * ((n + 1) / 2)]; ++l) _mm_prefetch(vpf + 64 * l, _MM_HINT_T0);
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    if (PerRow && vpf)
+      for (int64_t l = cut[HG * (j / 2)]; l < cut[HG * (j / 2 + 1)]; ++l) _mm_prefetch(vpf + 64 * l, _MM_HINT_T0);
+    __m512 p0[HG], p1[HG];
+    for (int g = 0; g < HG; ++g) {
+      p0[g] = _mm512_set1_ps(rows.weight(p + g * Ls, j));
+      p1[g] = _mm512_set1_ps(rows.weight(p + g * Ls, j + 1));
+    }
+    for (int c = 0; c < NV; ++c) {
+      const __m512 v0 = rows.vec(j, c), v1 = rows.vec(j + 1, c);
+      for (int g = 0; g < HG; ++g) {
+        acc[g][c] = _mm512_fmadd_ps(p0[g], v0, acc[g][c]);
+        acc2[g][c] = _mm512_fmadd_ps(p1[g], v1, acc2[g][c]);
+      }
+    }
+  }
+  if (j < n) {
+    for (int g = 0; g < HG; ++g) {
+      const __m512 p0 = _mm512_set1_ps(rows.weight(p + g * Ls, j));
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p0, rows.vec(j, c), acc[g][c]);
+    }
+  }
+  for (int g = 0; g < HG; ++g)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_add_ps(acc[g][c], acc2[g][c]));
+}
 
 // One sequence, all heads (D = 16 * NV). Pass 1 reads K block by block, contiguously, and writes every
 // head's scores, sixteen tokens per reduction; exact softmax per head; pass 2 reads V the same way. Scratch:
@@ -252,25 +313,37 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t kh = 0; kh < KVH; ++kh) {
         const float* rows[16];
-        src.rows(0, table[i], j0, m, kh, scratch, rows);
+        alignas(64) float row_scale[16];
+        src.template rows<NV>(table[i], j0, m, kh, scratch, rows, row_scale);
         for (int64_t jj = m; jj < 16; ++jj) rows[jj] = kZeroRow;
+        __m512 score_scale = sc;
+        if constexpr (Rows::kRowScales) {
+          for (int64_t jj = m; jj < 16; ++jj) row_scale[jj] = 0.f;
+          score_scale = _mm512_mul_ps(sc, _mm512_load_ps(row_scale));
+        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
           const int64_t* c0 = cut + 16 * ((j0 / 16) * H + h);
           __m512 qv[NV];
           for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + h * D + 16 * c);
           __m512 a[16];
-#pragma GCC unroll 16
-          for (int jj = 0; jj < 16; ++jj) {
-            for (int64_t l = c0[jj]; l < c0[jj + 1]; ++l) {
+          if constexpr (!Rows::kPrefetchPerRow)
+            for (int64_t l = c0[0]; l < c0[16]; ++l) {
               if (kpf) _mm_prefetch(kpf + 64 * l, _MM_HINT_T0);
               _mm_prefetch(vpf + 64 * l, _MM_HINT_T1);
             }
+#pragma GCC unroll 16
+          for (int jj = 0; jj < 16; ++jj) {
+            if constexpr (Rows::kPrefetchPerRow)
+              for (int64_t l = c0[jj]; l < c0[jj + 1]; ++l) {
+                if (kpf) _mm_prefetch(kpf + 64 * l, _MM_HINT_T0);
+                _mm_prefetch(vpf + 64 * l, _MM_HINT_T1);
+              }
             __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[jj]));
             for (int c = 1; c < NV; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[jj] + 16 * c), s);
             a[jj] = s;
           }
-          _mm512_storeu_ps(scores + h * Ls + i * BS + j0, _mm512_mul_ps(reduce16(a), sc));
+          _mm512_storeu_ps(scores + h * Ls + i * BS + j0, _mm512_mul_ps(reduce16(a), score_scale));
         }
       }
     }
@@ -290,31 +363,20 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
     const int64_t n = std::min(BS, L - i * BS);
     const char* vpf = i + 1 < nblk ? src.span(1, table[i + 1]) : nullptr;
     for (int64_t kh = 0; kh < KVH; ++kh) {
-      src.rows(1, table[i], 0, n, kh, scratch, ptrs);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g;
-        const int64_t* c0 = cut2 + h * half;
-        const float* p = scores + h * Ls + i * BS;
-        __m512 acc[NV], acc2[NV];
-        for (int c = 0; c < NV; ++c) { acc[c] = _mm512_loadu_ps(out + h * D + 16 * c); acc2[c] = _mm512_setzero_ps(); }
-        int64_t j = 0;
-        for (; j + 2 <= n; j += 2) {
-          if (vpf)
-            for (int64_t l = c0[j / 2]; l < c0[j / 2 + 1]; ++l) _mm_prefetch(vpf + 64 * l, _MM_HINT_T0);
-          const float* r0 = ptrs[j];
-          const float* r1 = ptrs[j + 1];
-          const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-          for (int c = 0; c < NV; ++c) {
-            acc[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * c), acc[c]);
-            acc2[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(r1 + 16 * c), acc2[c]);
-          }
+      const auto rows = src.template pass2_rows<NV>(table[i], n, kh, scratch, ptrs);
+      // Heads in groups of up to 24 / (2 * NV) (three for head_dim 64), each group in one pass over the rows.
+      constexpr int64_t HG = 24 / (2 * NV) > 0 ? 24 / (2 * NV) : 1;
+      constexpr bool per_row = Rows::kPrefetchPerRow;
+      for (int64_t g0 = 0; g0 < G; g0 += HG) {
+        const int64_t h0 = kh * G + g0;
+        const float* p = scores + h0 * Ls + i * BS;
+        float* o = out + h0 * D;
+        const int64_t* c0 = cut2 + h0 * half;
+        switch (std::min(HG, G - g0)) {
+          case 3: pv_heads<NV, 3, per_row>(rows, p, Ls, n, o, vpf, c0); break;
+          case 2: pv_heads<NV, 2, per_row>(rows, p, Ls, n, o, vpf, c0); break;
+          default: pv_heads<NV, 1, per_row>(rows, p, Ls, n, o, vpf, c0); break;
         }
-        if (j < n) {
-          const float* r0 = ptrs[j];
-          const __m512 p0 = _mm512_set1_ps(p[j]);
-          for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * c), acc[c]);
-        }
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_add_ps(acc[c], acc2[c]));
       }
     }
   }
