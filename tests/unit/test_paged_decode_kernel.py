@@ -42,8 +42,12 @@ def batch(g, heads, head_dim, block_size, spare_blocks=5):
     return lens, num_blocks, tables, q
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 2, 32),
-                                                             (4, 1, 48)])
+# The AVX-512 path's second pass takes a KV head's query heads three at a time for head_dim 64 (one at a time
+# for 128): groups of 3 (9 over 3), 2 (4 over 2), 3 + 1 (8 over 2) and 1 (4 over 4, 8 over 2 at 128).
+GROUPS = [(9, 3, 64), (4, 2, 64), (8, 2, 64), (8, 2, 128), (4, 4, 64)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [*GROUPS, (6, 2, 32), (4, 1, 48)])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_matches_the_reference(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
@@ -82,9 +86,10 @@ def int8_cache(g, num_blocks, block_size, kv_heads, head_dim):
     return codes, scales, codes.float() * scales.float().unsqueeze(-1)
 
 
-# head_dim 64 and 128 take the AVX-512 sequence-per-task path (where the CPU has it), 32 and 48 the
-# per-(sequence, KV head) path; both dequantize value * scale and attend in fp32.
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 32), (4, 1, 48)])
+# head_dim 64 and 128 take the AVX-512 sequence-per-task path (where the CPU has it), which applies each row's
+# scale to its score and to its weight in the sum of V; 32 and 48 the per-(sequence, KV head) path, which
+# dequantizes value * scale. Both attend in fp32.
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [*GROUPS, (6, 2, 32), (4, 1, 48)])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_int8_cache_matches_the_reference_on_its_dequantized_rows(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 10 + head_dim + block_size)
