@@ -233,8 +233,11 @@ struct Fp32Rows {
 
 // Where a block's prefetches go out: spread evenly over the row steps of the pass that reads the block
 // before, a line or two per step. Pass 1's step r of a block (r = 16 * (chunk * H + head) + row) sends lines
-// [cut[r], cut[r + 1]) of the next K block to L1 and of this V block to L2; pass 2's step r (r = head *
-// ceil(BS / 2) + row / 2) sends lines [cut2[r], cut2[r + 1]) of the next V block to L1. Until 2026-12-04 they
+// [cut[r], cut[r + 1]) of the next K block to L1 and of this V block to L2; pass 2's entries r = head *
+// ceil(BS / 2) + row / 2 send lines [cut2[r], cut2[r + 1]) of the next V block to L1 (pv_heads, which takes
+// a group's heads together, walks the group's entries HG at a time, one step per pair of rows). A Rows type
+// with kPrefetchPerRow false (the int8 cache's, whose blocks are a quarter of the lines) sends each group's
+// lines at once, before its rows, and saves the per-step bookkeeping. Until 2026-12-04 they
 // went out a KV head's share at a time (64 lines at once for SmolLM2's heads); spread, a step at batch 32-64
 // runs 1.13-1.17x as fast on KV streamed from memory (bench.decode_attention --base), the likely reason
 // being that a burst of misses fills the core's line-fill buffers and the computation's own loads wait.
