@@ -139,20 +139,22 @@ def main() -> None:
         f"ms per decode step, context {args.context}", headers, rows, extra=workload_table(data.get("workload")))
 
 
-def whole_workload(rounds: int) -> dict:
-    """bench.throughput's workload on each cache, alternating; per round the wall time and its split."""
+def whole_workload(rounds: int, arms: dict[str, dict] | None = None, equal_key: str = "int8_requests_equal_fp32") -> dict:
+    """bench.throughput's workload on each arm (name -> LLM options; default: the two caches), alternating; per
+    round the wall time and its split. `equal_key`: how many requests' greedy tokens the first two arms share."""
+    arms = arms if arms is not None else {name: {"cache_bits": bits} for name, bits in ARMS.items()}
     s = Settings()
     path = resolve_model("smollm2")
     mc = ModelConfig.from_folder(path)
     kv_tokens = s.num_requests * (s.prompt_lens[1] + s.output_lens[1] + 16)
     out: dict = {name: {"wall_s": [], "prefill_steps_s": [], "decode_ge32_s": [], "decode_lt32_s": []}
-                 for name in ARMS}
+                 for name in arms}
     tokens: dict[str, list[list[int]]] = {}
-    with progress_bar("whole workload", rounds * len(ARMS)) as advance:
+    with progress_bar("whole workload", rounds * len(arms)) as advance:
         for _ in range(rounds):
-            for name, bits in ARMS.items():
+            for name, options in arms.items():
                 llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
-                          cpu_prepack_weights=True, cache_bits=bits,
+                          cpu_prepack_weights=True, **options,
                           kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc))
                 ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
                 llm.generate([ids[:16], ids[16:40]], [greedy(8), greedy(4)])
@@ -167,22 +169,26 @@ def whole_workload(rounds: int) -> dict:
                 del llm
                 gc.collect()
                 advance()
-    out["int8_requests_equal_fp32"] = sum(a == b for a, b in zip(tokens["fp32 KV"], tokens["int8 KV"], strict=True))
+    first, second = list(arms)[:2]
+    out[equal_key] = sum(a == b for a, b in zip(tokens[first], tokens[second], strict=True))
     out["num_requests"] = s.num_requests
     return out
 
 
-def workload_table(w: dict | None) -> str:
+def workload_table(w: dict | None, arms: tuple[str, ...] = tuple(ARMS), label: str = "cache",
+                   equal: str = "int8 greedy tokens equal fp32's", equal_key: str = "int8_requests_equal_fp32") -> str:
+    """whole_workload's medians as a table (printed, and returned as markdown); the first arm is the base."""
     if not w:
         return ""
-    med = {name: {k: statistics.median(v) for k, v in w[name].items() if isinstance(v, list)} for name in ARMS}
+    base = arms[0]
+    med = {name: {k: statistics.median(v) for k, v in w[name].items() if isinstance(v, list)} for name in arms}
     rows = [(name, f"{m['wall_s']:.1f}", f"{w[name]['output_tokens'] / m['wall_s']:.1f}",
-             f"{med['fp32 KV']['wall_s'] / m['wall_s']:.2f}×", f"{m['prefill_steps_s']:.1f}",
+             f"{med[base]['wall_s'] / m['wall_s']:.2f}×", f"{m['prefill_steps_s']:.1f}",
              f"{m['decode_ge32_s']:.1f}", f"{m['decode_lt32_s']:.1f}") for name, m in med.items()]
-    headers = ["cache", "wall s", "output tok/s", "speed ÷ fp32 KV", "steps with prefill s", "decode-only ≥ 32 s",
+    headers = [label, "wall s", "output tok/s", f"speed ÷ {base}", "steps with prefill s", "decode-only ≥ 32 s",
                "decode-only < 32 s"]
-    title = (f"bench.throughput's workload, medians of {len(w['fp32 KV']['wall_s'])} alternating runs "
-             f"(int8 greedy tokens equal fp32's for {w['int8_requests_equal_fp32']}/{w['num_requests']} requests)")
+    title = (f"bench.throughput's workload, medians of {len(w[base]['wall_s'])} alternating runs "
+             f"({equal} for {w[equal_key]}/{w['num_requests']} requests)")
     print_table(title, headers, rows)
     return markdown_table(title, headers, rows)
 

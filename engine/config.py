@@ -56,6 +56,10 @@ class EngineConfig:
     # panel kernel's layout on AVX-512 CPUs, else oneDNN's; engine/models/linear.py): faster decode
     # for a second copy of those weights in memory.
     cpu_prepack_weights: bool = False
+    # With cpu_prepack_weights: a weight whose fp32 values are exactly integer codes times fp16 scales
+    # (a GGUF Q4_0/Q4_1/Q8_0 import) is packed as those codes, and the kernel rebuilds the same values
+    # bit for bit (engine/models/compact_weights.py): 16-27% of the bytes, the same outputs.
+    cpu_compact_weights: bool = True
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
     activation_chunk_rows: int = 512

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.compact_weights import pack_compact
 from engine.models.cpu_kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -95,17 +96,25 @@ def _panel_kernel() -> bool:
 
 
 def is_panel_packed(packed: torch.Tensor | None) -> bool:
-    """Whether `packed` (from `prepack`) is in the panel kernel's layout, [panels, in_features, 32]."""
+    """Whether `packed` (from `prepack`) is in the panel kernel's layout: fp32 [panels, in_features, 32]
+    or compact uint8 [panels, in_features / 32, block]."""
     return packed is not None and packed.dim() == 3
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+def prepack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor | None:
     """`weight` packed for `linear(..., packed=)`: in panels for the panel kernel on AVX-512 CPUs,
-    else in oneDNN's blocked layout; None where neither path runs."""
+    else in oneDNN's blocked layout; None where neither path runs.
+
+    With `compact`, a weight whose fp32 values are exactly integer codes times fp16 scales (a GGUF
+    Q4_0/Q4_1/Q8_0 import) gets compact panels instead (engine/models/compact_weights.py): the same
+    values, bit for bit, in 16-27% of the bytes."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     if _panel_kernel():
-        return cpu_kernels().pack_panels(weight.detach())
+        ops = cpu_kernels()
+        if compact and (packed := pack_compact(weight, ops.unpack_compact_panels)) is not None:
+            return packed
+        return ops.pack_panels(weight.detach())
     if not _onednn_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
@@ -162,18 +171,19 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, out, self.packed)
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Give every fp32 CPU `Linear` in `model` its packed weight; returns the bytes added."""
+def prepack_linears(model: nn.Module, compact: bool = True) -> int:
+    """Give every fp32 CPU `Linear` in `model` its packed weight (`prepack`); returns the bytes added."""
     added = 0
     for module in model.modules():
-        if isinstance(module, Linear) and (packed := prepack(module.weight)) is not None:
+        if isinstance(module, Linear) and (packed := prepack(module.weight, compact)) is not None:
             module.packed = packed
             added += packed_bytes(packed, module.weight)
     return added
 
 
 def packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
-    """Memory a packed copy takes: panels are padded to 32 output columns; oneDNN's copy is the weight's size."""
+    """Memory a packed copy takes: panels (fp32 or compact) are padded to 32 output columns; oneDNN's copy is
+    the weight's size."""
     if is_panel_packed(packed):
         return packed.numel() * packed.element_size()
     return weight.numel() * weight.element_size()

@@ -308,10 +308,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.mlp.workspace = workspace
 
-    def prepack_weights(self) -> int:
-        """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added."""
-        added = prepack_linears(self)
-        if self.lm_head is None and (packed := prepack(self.embed_tokens.weight)) is not None:
+    def prepack_weights(self, compact: bool = True) -> int:
+        """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added.
+        `compact`: exact compact panels where a weight allows them (engine/models/compact_weights.py)."""
+        added = prepack_linears(self, compact)
+        if self.lm_head is None and (packed := prepack(self.embed_tokens.weight, compact)) is not None:
             self.embed_tokens.packed_head = packed
             added += packed_bytes(packed, self.embed_tokens.weight)
         self._enable_fused_decode()

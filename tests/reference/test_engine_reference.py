@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.models.compact_weights import is_compact
+from engine.models.linear import Linear
 from engine.scheduler import ScheduledRequest
 from tests.conftest import write_tiny_model
 
@@ -127,10 +129,15 @@ def smollm2_pair():
     return path, hf
 
 
-@pytest.mark.parametrize("prepack", [False, True], ids=["plain", "prepacked"])
-def test_smollm2_greedy_tokens_equal_hf_in_a_mixed_batch(smollm2_pair, prepack, decode_layers_calls):
+@pytest.mark.parametrize(("prepack", "compact"), [(False, False), (True, False), (True, True)],
+                         ids=["plain", "prepacked", "prepacked-compact"])
+def test_smollm2_greedy_tokens_equal_hf_in_a_mixed_batch(smollm2_pair, prepack, compact, decode_layers_calls):
     path, hf = smollm2_pair
-    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64, cpu_prepack_weights=prepack)
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64, cpu_prepack_weights=prepack,
+              cpu_compact_weights=compact)
+    # SmolLM2's GGUF import is Q4_1 codes (linears) and Q8_0 (embedding): compact panels take every weight.
+    packed = [m.packed for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert all(is_compact(p) for p in packed) == (compact and panel_kernel())
     tok = llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for c in SMOL_PROMPTS]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=5)
@@ -149,3 +156,19 @@ def test_smollm2_greedy_tokens_equal_hf_in_a_mixed_batch(smollm2_pair, prepack, 
         ours_top = [t for t, _ in out.logprobs[i][1]]
         ref_top = ref.logits[i][0].topk(5).indices.tolist()
         assert ref_tokens[i] in ours_top and out.token_ids[i] in ref_top, (out.token_ids, ref_tokens)
+
+
+def test_smollm2_compact_panels_give_bitwise_the_fp32_panels_logprobs(smollm2_pair):
+    if not panel_kernel():
+        pytest.skip("compact panels run on the panel kernel (AVX-512)")
+    path, _ = smollm2_pair
+    chats = SMOL_PROMPTS[:3]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
+    runs = {}
+    for compact in (False, True):
+        llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64, cpu_prepack_weights=True,
+                  cpu_compact_weights=compact)
+        runs[compact] = (llm.chat(chats, params), llm.engine.prepacked_bytes)
+    for a, b in zip(runs[False][0], runs[True][0], strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert runs[True][1] < 0.25 * runs[False][1]  # 4-bit and 8-bit codes with fp16 scales

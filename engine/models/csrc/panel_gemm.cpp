@@ -13,6 +13,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <cstdlib>
+#include <memory>
 
 namespace panel_gemm {
 
@@ -73,8 +75,105 @@ static const TileFn kTiles[3][kMaxTileRows + 1] = {
 
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1)); }
 
+// Compact panels (engine/models/compact_weights.py packs them): where a weight's fp32 values are exactly
+// small integer codes times fp16 scales (plus fp16 offsets), as a GGUF Q4_0, Q4_1 or Q8_0 import's are,
+// each panel holds, per group of 32 K steps, a block of
+//   affine4 (640 bytes):  32 fp16 scales, 32 fp16 offsets, then per step 16 bytes: column j's 4-bit code
+//                         in the low nibble of byte j, column j + 16's in the high nibble;
+//                         w = fl(fl(code * scale) + offset), as gguf's Q4_1 dequantize computes it;
+//   sym8 (1088 bytes):    32 fp16 scales, then per step 32 int8 codes; w = fl(code * scale) (Q8_0, Q4_0).
+// A panel is rebuilt into an L1/L2 scratch before its tiles run, so the tiles, and every result, are the
+// fp32 panels' bitwise; the packer checks that the rebuilt values equal the weight's, bit for bit, or keeps
+// fp32. A decode step then streams 16% (affine4) or 27% (sym8) of the fp32 panels' bytes.
+constexpr int64_t kGroup = 32;
+constexpr int64_t kAffine4Block = 64 + 64 + kGroup * 16;
+constexpr int64_t kSym8Block = 64 + kGroup * 32;
+
+// The _round variants are not contracted into an FMA by the compiler: the multiply and the add each round.
+static inline __m512 mul_rn(__m512 a, __m512 b) {
+  return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline __m512 add_rn(__m512 a, __m512 b) {
+  return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One panel's K x 32 fp32 values (groups x 32 steps) into `out`, 64-byte aligned.
+static void rebuild_panel(const uint8_t* src, int64_t groups, int64_t block, float* out) {
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < groups; ++g, src += block, out += kGroup * kCols) {
+    const __m512 s0 = half16(src), s1 = half16(src + 32);
+    if (block == kAffine4Block) {
+      const __m512 o0 = half16(src + 64), o1 = half16(src + 96);
+      const uint8_t* codes = src + 128;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * k)));
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        _mm512_store_ps(out + k * kCols, add_rn(mul_rn(q0, s0), o0));
+        _mm512_store_ps(out + k * kCols + 16, add_rn(mul_rn(q1, s1), o1));
+      }
+    } else {
+      const uint8_t* codes = src + 64;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const __m512i v0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * k)));
+        const __m512i v1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * k + 16)));
+        _mm512_store_ps(out + k * kCols, mul_rn(_mm512_cvtepi32_ps(v0), s0));
+        _mm512_store_ps(out + k * kCols + 16, mul_rn(_mm512_cvtepi32_ps(v1), s1));
+      }
+    }
+  }
+}
+
+// A thread's scratch for one rebuilt panel, grown as needed and kept for the thread's life.
+static float* panel_scratch(int64_t floats) {
+  thread_local std::unique_ptr<float, decltype(&std::free)> buffer(nullptr, &std::free);
+  thread_local int64_t capacity = 0;
+  if (floats > capacity) {
+    const size_t bytes = static_cast<size_t>((floats * 4 + 63) / 64 * 64);
+    buffer.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buffer, "panel_linear: cannot allocate ", bytes, " bytes of scratch");
+    capacity = floats;
+  }
+  return buffer.get();
+}
+
+// Checks a compact panel tensor [P, K / 32, block] and returns its block size.
+static int64_t compact_block(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  (packed.size(2) == kAffine4Block || packed.size(2) == kSym8Block),
+              "panel_linear: a compact packed weight must be contiguous uint8 [panels, in_features / 32, ",
+              kAffine4Block, " or ", kSym8Block, "]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<uint8_t>()) % 64 == 0,
+              "panel_linear: compact packed weight not aligned");
+  return packed.size(2);
+}
+
 }  // namespace panel_gemm
 #endif
+
+torch::Tensor unpack_compact_panels(torch::Tensor packed, int64_t out_features) {
+#if defined(__AVX512F__)
+  using namespace panel_gemm;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte, "unpack_compact_panels takes a compact (uint8) packed weight");
+  const int64_t block = compact_block(packed), P = packed.size(0), G = packed.size(1), K = G * kGroup;
+  TORCH_CHECK(out_features > (P - 1) * kCols && out_features <= P * kCols, "unpack_compact_panels: out_features ",
+              out_features, " does not match ", P, " panels");
+  auto panels = torch::empty({P, K, kCols}, torch::kFloat);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = panels.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) rebuild_panel(src + p * G * block, G, block, dst + p * K * kCols);
+  });
+  // [P, K, 32] -> [P * 32, K], the padding columns dropped.
+  return panels.transpose(1, 2).reshape({P * kCols, K}).narrow(0, 0, out_features).contiguous();
+#else
+  TORCH_CHECK(false, "unpack_compact_panels needs AVX-512");
+  return packed;
+#endif
+}
 
 bool panel_gemm_available() {
 #if defined(__AVX512F__)
@@ -98,23 +197,27 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
                            c10::optional<torch::Tensor> bias) {
 #if defined(__AVX512F__)
   using namespace panel_gemm;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat,
-              "panel_linear takes fp32 x [rows, in_features]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous(),
-              "panel_linear needs a weight from pack_panels");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "panel_linear takes fp32 x [rows, in_features]");
+  const bool compact = packed.scalar_type() == torch::kByte;
+  const int64_t block = compact ? compact_block(packed) : 0;
+  TORCH_CHECK(compact || (packed.scalar_type() == torch::kFloat && packed.dim() == 3 && packed.size(2) == kCols &&
+                          packed.is_contiguous()),
+              "panel_linear needs a weight from pack_panels or compact_weights.pack_compact");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), N = out_features;
-  TORCH_CHECK(packed.size(1) == K, "panel_linear: x has ", K, " features, the packed weight ", packed.size(1));
+  const int64_t packed_k = compact ? packed.size(1) * kGroup : packed.size(1);
+  TORCH_CHECK(packed_k == K, "panel_linear: x has ", K, " features, the packed weight ", packed_k);
   TORCH_CHECK(N > (P - 1) * kCols && N <= P * kCols, "panel_linear: out_features ", N, " does not match the packing");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == torch::kFloat),
               "panel_linear: bias must be ", N, " contiguous fp32 values");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 64 == 0, "panel_linear: packed weight not aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "panel_linear: packed weight not aligned");
   // Rows may be strided (a column slice of a wider tensor, like the gate half of gate_up): no copy.
   auto xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
   const int64_t lda = xc.stride(0);
   auto y = torch::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
+  const char* wp = static_cast<const char*>(packed.data_ptr());
+  const int64_t panel_bytes = compact ? packed.size(1) * block : K * kCols * 4;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // Rows split into equal tiles of at most 12 (50 rows: five of 10, not four of 12 and one of 2).
@@ -125,15 +228,23 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   // From 3 tiles up a share is fewer lines than steps, and goes out evenly over all of them (tile<.., 0>):
   // 1.06-1.14x at 32-64 rows over sending one a step from k = 0, bitwise the same.
   // `.venv/bin/python -m bench.panel_gemm --base REV` times this against an earlier commit's kernel.
-  const int64_t panel_lines = K * kCols * 4 / 64;
+  const int64_t panel_lines = panel_bytes / 64;
   const int64_t pf = ntiles == 1 && M >= 4 ? 2 : 1;
   const int64_t share = std::min((panel_lines + ntiles - 1) / ntiles, pf * K);  // lines per tile
+  // A compact panel is rebuilt into the thread's scratch first (rebuild_panel); the tiles then prefetch the
+  // next compact panel, a sixth or a quarter of the lines of an fp32 one.
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float* scratch = compact ? panel_scratch(K * kCols) : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min<int64_t>(kCols, N - p * kCols);
       const __mmask16 m0 = lanes(cols), m1 = lanes(cols - 16);
-      const float* panel = wp + p * K * kCols;
-      const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + K * kCols) : nullptr;
+      const char* src = wp + p * panel_bytes;
+      const float* panel = reinterpret_cast<const float*>(src);
+      if (compact) {
+        rebuild_panel(reinterpret_cast<const uint8_t*>(src), K / kGroup, block, scratch);
+        panel = scratch;
+      }
+      const char* next = p + 1 < p1 ? src + panel_bytes : nullptr;
       int64_t t = 0;
       for (int64_t m = 0; m < M; m += per, ++t) {
         const int64_t rows = std::min(per, M - m);

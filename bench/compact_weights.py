@@ -1,0 +1,116 @@
+"""Decode steps with exact compact weight panels against fp32 panels (cpu_compact_weights), SmolLM2-135M.
+
+    .venv/bin/python -m bench.compact_weights
+    .venv/bin/python -m bench.compact_weights --batches 1 48 --rounds 5 --workload-rounds 0
+
+SmolLM2-135M-Instruct comes as a GGUF file whose linears are Q4_1 and whose embedding (the tied LM
+head) is Q8_0, so its fp32 weights are exactly codes times fp16 scales. With `cpu_compact_weights`
+the packed copies hold those codes (engine/models/compact_weights.py) and the panel kernel rebuilds
+the fp32 values bit for bit, so both engines compute the same numbers: the last column counts the
+greedy sequences that are equal token for token, and should be all of them. Both engines run in one
+process with `cpu_prepack_weights` (decode-only steps through decode_layers) and an fp32 KV cache;
+they alternate round after round, and each round's decode-only steps at the full batch are timed by
+the engine itself (prefill excluded, as in bench.kv_decode). Medians of the rounds are compared.
+
+Then the whole workload of bench.throughput on each, alternating `--workload-rounds` times. Writes
+bench/results/compact_weights.json and its section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from bench.kv_decode import decode_steps, passages, whole_workload, workload_table
+from bench.report import publish_table, run_info, write_json
+from bench.throughput import progress_bar
+from engine import LLM
+
+ARMS = {"fp32 panels": False, "compact panels": True}  # name -> cpu_compact_weights
+EQUAL_KEY = "requests_equal"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 48, 64],
+                    help="sequences decoding together")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--steps", type=int, default=24, help="output tokens per sequence and round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two engines (medians compared)")
+    ap.add_argument("--workload-rounds", type=int, default=2,
+                    help="alternations of the two engines on bench.throughput's workload (0: skip it)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    if (min(args.batches) < 1 or max(args.batches) > 256 or args.context < 1 or args.steps < 2 or args.rounds < 1
+            or args.workload_rounds < 0):
+        raise SystemExit("--batches must be 1-256, --context >= 1, --steps >= 2, --rounds >= 1 and "
+                         "--workload-rounds >= 0")
+    torch.set_num_threads(args.threads)
+    biggest = max(args.batches)
+    block_size = 16
+    blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64
+    llms, load_s = {}, {}
+    for name, compact in ARMS.items():
+        start = time.perf_counter()
+        llms[name] = LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cpu_compact_weights=compact,
+                         block_size=block_size, num_kv_blocks=blocks, max_num_seqs=biggest,
+                         max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
+        load_s[name] = time.perf_counter() - start
+    packed = {name: llm.engine.prepacked_bytes for name, llm in llms.items()}
+    prompts = passages(llms["fp32 panels"], biggest, args.context)
+    data = {**run_info("bench.compact_weights", args.threads), "context": args.context, "steps": args.steps,
+            "rounds": args.rounds, "packed_bytes": packed, "load_s": load_s, "batches": {}}
+    with progress_bar("compact weights", len(args.batches) * args.rounds * len(ARMS)) as advance, \
+            torch.inference_mode():
+        for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
+            decode_steps(llm, prompts, 2, f"warm-{name}")
+        for batch in args.batches:
+            times: dict[str, list[float]] = {name: [] for name in ARMS}
+            tokens: dict[str, list[list[int]]] = {}
+            for r in range(args.rounds):
+                for name, llm in llms.items():
+                    t, tokens[name] = decode_steps(llm, prompts[:batch], args.steps, f"b{batch}-r{r}")
+                    if not t:
+                        raise RuntimeError(f"{name}: no decode-only step ran at batch {batch}")
+                    times[name].append(statistics.median(t))
+                    advance()
+            same = sum(a == b for a, b in zip(tokens["fp32 panels"], tokens["compact panels"], strict=True))
+            data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
+                                      "round_step_s": times, "sequences_equal": same}
+    del llms
+    gc.collect()
+    arms = {name: {"cpu_compact_weights": compact} for name, compact in ARMS.items()}
+    if args.workload_rounds:
+        data["workload"] = whole_workload(args.workload_rounds, arms, EQUAL_KEY)
+    write_json("compact_weights.json", data)
+    headers = ["batch", "fp32 panels ms/step", "compact ms/step", "compact tok/s", "compact ÷ fp32 speed",
+               "greedy tokens equal"]
+    rows = []
+    for batch, r in data["batches"].items():
+        m = r["median_step_s"]
+        rows.append((batch, f"{m['fp32 panels'] * 1e3:.1f}", f"{m['compact panels'] * 1e3:.1f}",
+                     f"{batch / m['compact panels']:.0f}", f"{m['fp32 panels'] / m['compact panels']:.2f}×",
+                     f"{r['sequences_equal']}/{batch}"))
+    mib = {name: f"{b / 2**20:.0f} MiB" for name, b in packed.items()}
+    publish_table(
+        "compact_weights", "Decode steps with exact compact weight panels (SmolLM2-135M, fp32 arithmetic, CPU)", data,
+        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache, both engines in one "
+        f"process with cpu_prepack_weights, alternating {args.rounds} rounds; the median of each round's "
+        "decode-only steps at the full batch, then the median over rounds. Packed weight copies: "
+        f"{mib['fp32 panels']} as fp32 panels, {mib['compact panels']} as compact panels (Q4_1 linears in 4-bit "
+        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes); engine construction "
+        f"{load_s['fp32 panels']:.1f} s against {load_s['compact panels']:.1f} s (the search and the bit-for-bit "
+        "check included). The panels rebuild the same fp32 values, so the greedy tokens must be equal.",
+        f"ms per decode step, context {args.context}", headers, rows,
+        extra=workload_table(data.get("workload"), tuple(ARMS), "weights", "greedy tokens equal", EQUAL_KEY))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Exact compact weight panels (engine/models/compact_weights.py, panel_gemm.cpp's rebuild_panel).
+
+Weights that went through gguf's own quantize and dequantize (Q4_0, Q4_1, Q8_0) must be packed as
+codes and rebuilt bit for bit, the panel kernel must give bitwise the fp32 panels' results, and any
+weight that is not exactly such codes must keep the fp32 panels. SmolLM2 through the compact panels
+is compared with HF transformers in tests/reference/test_engine_reference.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine import LLM, SamplingParams
+from engine.models import compact_weights as cw
+from engine.models import linear as lin
+from engine.models.cpu_kernels import cpu_kernels
+from tests.conftest import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="compact panels run on the panel kernel, "
+                                "which needs AVX-512 and the CPU extension")
+
+BLOCK = {"Q4_0": cw.SYM8_BLOCK, "Q4_1": cw.AFFINE4_BLOCK, "Q8_0": cw.SYM8_BLOCK}
+
+
+def gguf_roundtrip(weight: np.ndarray, kind: str) -> torch.Tensor:
+    """`weight` as a GGUF import holds it: gguf's quantize, then its dequantize (fp32)."""
+    t = GGMLQuantizationType[kind]
+    return torch.from_numpy(quants.dequantize(quants.quantize(weight, t), t).copy())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", list(BLOCK))
+@pytest.mark.parametrize(("n", "k"), [(100, 576), (32, 64), (7, 1536)])
+def test_gguf_weights_pack_compactly_and_compute_bitwise_as_fp32_panels(kind, n, k):
+    ops = cpu_kernels()
+    rng = np.random.default_rng(n + k)
+    w = gguf_roundtrip((rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
+    if kind == "Q4_0":
+        assert bool((bits(w) == -(2**31)).any()), "Q4_0 with negative scales gives -0.0 values: the test needs some"
+    packed = cw.pack_compact(w, ops.unpack_compact_panels)
+    assert packed is not None and packed.dtype == torch.uint8
+    assert tuple(packed.shape) == (-(-n // 32), k // 32, BLOCK[kind])
+    assert torch.equal(bits(ops.unpack_compact_panels(packed, n)), bits(w))
+    fp32 = ops.pack_panels(w)
+    bias = torch.randn(n)
+    for rows in (1, 3, 12, 13, 50):
+        x = torch.randn(rows, k)
+        for b in (None, bias):
+            assert torch.equal(bits(ops.panel_linear(x, packed, n, b)), bits(ops.panel_linear(x, fp32, n, b)))
+    # Rows read through a stride (a column slice, as the gate half of gate_up is passed).
+    wide = torch.randn(5, 2 * k)
+    assert torch.equal(ops.panel_linear(wide[:, :k], packed, n, None), ops.panel_linear(wide[:, :k], fp32, n, None))
+
+
+def test_weights_that_are_not_exact_codes_keep_fp32_panels(caplog):
+    ops = cpu_kernels()
+    rng = np.random.default_rng(0)
+    q41 = gguf_roundtrip((rng.standard_normal((64, 256)) * 0.05).astype(np.float32), "Q4_1")
+    nudged = q41.clone()
+    nudged[40, 100] = torch.nextafter(nudged[40, 100], torch.tensor(1.0))
+    with_nan = q41.clone()
+    with_nan[3, 3] = float("nan")
+    q50 = gguf_roundtrip((rng.standard_normal((64, 256)) * 0.05).astype(np.float32), "Q5_0")
+    for weight in (torch.randn(200, 576), nudged, with_nan, q50, torch.randn(64, 100), q41.to(torch.float64)):
+        assert cw.pack_compact(weight, ops.unpack_compact_panels) is None
+    # The packer trusts only the kernel's own rebuild: one that disagrees keeps fp32, with a warning.
+    with caplog.at_level(logging.WARNING, logger=cw.__name__):
+        assert cw.pack_compact(q41, lambda packed, n: ops.unpack_compact_panels(packed, n) * 1.0000001) is None
+    assert "did not rebuild bit for bit" in caplog.text
+    assert cw.pack_compact(q41, ops.unpack_compact_panels) is not None
+
+
+def test_prepack_picks_compact_panels_only_where_asked():
+    w = gguf_roundtrip((np.random.default_rng(1).standard_normal((96, 128)) * 0.05).astype(np.float32), "Q4_1")
+    assert cw.is_compact(lin.prepack(w))
+    fp32 = lin.prepack(w, compact=False)
+    assert fp32.dtype == torch.float32 and lin.is_panel_packed(fp32)
+    assert lin.packed_bytes(lin.prepack(w), w) == 3 * 4 * cw.AFFINE4_BLOCK  # 96 x 128 fp32: 48 KiB
+    assert lin.prepack(torch.randn(96, 128)).dtype == torch.float32
+
+
+def test_panel_linear_rejects_malformed_compact_weights():
+    ops = cpu_kernels()
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="compact packed weight must be"):
+        ops.panel_linear(x, torch.zeros(1, 2, 100, dtype=torch.uint8), 32, None)
+    with pytest.raises(RuntimeError, match="x has 64 features, the packed weight 96"):
+        ops.panel_linear(x, torch.zeros(1, 3, cw.AFFINE4_BLOCK, dtype=torch.uint8), 32, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.unpack_compact_panels(torch.zeros(1, 2, cw.SYM8_BLOCK, dtype=torch.uint8), 33)
+
+
+def quantize_model_weights(path, kind: str) -> None:
+    """Rewrite a saved model's 2-D weights through gguf's quantize and dequantize, as an import would."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    state = load_file(file)
+    for name, t in state.items():
+        if t.dim() == 2:
+            state[name] = gguf_roundtrip(t.numpy(), "Q8_0" if "embed" in name else kind)
+    save_file(state, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("cache_bits", [16, 8])
+def test_engine_with_compact_panels_equals_fp32_panels_bitwise(tmp_path, cache_bits, decode_layers_calls):
+    path = write_tiny_model(tmp_path / "m", "llama", seed=5, hidden_size=128, intermediate_size=256, tie=True)
+    quantize_model_weights(path, "Q4_1")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 60))] for _ in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
+    outs, packed = {}, {}
+    for compact in (False, True):
+        llm = LLM(model=str(path), dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
+                  cpu_prepack_weights=True, cpu_compact_weights=compact, cache_bits=cache_bits)
+        model = llm.engine.model
+        linears = [m for m in model.modules() if isinstance(m, lin.Linear)]
+        assert all(cw.is_compact(m.packed) == compact for m in linears)
+        assert cw.is_compact(model.embed_tokens.packed_head) == compact  # the tied LM head (Q8_0)
+        assert model._fused_decode is not None
+        outs[compact], packed[compact] = llm.generate(prompts, params), llm.engine.prepacked_bytes
+    assert decode_layers_calls, "the decode-only steps must go through the one-call decoder"
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # exact floats
+    assert packed[True] < 0.3 * packed[False]
