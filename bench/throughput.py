@@ -197,6 +197,25 @@ def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int) -
     return out
 
 
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode step reads: each linear's packed copy where it has one (else its weight and
+    bias), the LM head's likewise, and the norms; one row of the embedding table per token is left out."""
+    from engine.models.linear import Linear, packed_bytes
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += packed_bytes(module.packed, module.weight) if module.packed is not None else \
+                module.weight.numel() * module.weight.element_size()
+            total += module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
+    head = model.embed_tokens
+    if model.lm_head is None:
+        total += packed_bytes(head.packed_head, head.weight) if head.packed_head is not None else \
+            head.weight.numel() * head.weight.element_size()
+    norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
+    return total + sum(p.numel() * p.element_size() for p in norms)
+
+
 def time_to_first_token(llm: LLM, rid: str, prompt: list[int]) -> tuple[float, int]:
     engine = llm.engine
     t0 = time.perf_counter()
@@ -472,7 +491,9 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
     rows = [(f"infinilm-stream engine{packed}", eng["output_tokens"], f"{eng['wall_s']:.2f}", f"{eng['tok_s']:.1f}",
              "1.00×", "—")]
     for key, label in (("engine_default", "infinilm-stream engine, defaults (no packed copies)"),
-                       ("engine_int8_kv", f"infinilm-stream engine{packed}, int8 KV cache (cache_bits 8)")):
+                       ("engine_int8_kv", f"infinilm-stream engine{packed}, int8 KV cache (cache_bits 8)"),
+                       ("engine_compact", "infinilm-stream engine, packed copies as exact compact panels "
+                                          "(cpu_compact_weights)")):
         d = r.get(key)
         if d is not None:
             same = f"{d['agreement']['identical_requests']}/{n} same, {100 * d['agreement']['common_prefix_share']:.0f}% prefix"
@@ -531,6 +552,17 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
         lbl = ss["layer_by_layer"]["decode_tok_s"]
         roof_rows.append(("single stream, layer by layer (decode_layers off): tok/s, engine ÷ this",
                           f"{lbl:.1f}, {ss['decode_tok_s'] / lbl:.2f}×"))
+    if (c := r.get("engine_compact")) and "single_stream" in c:
+        tok_s, streamed = c["single_stream"]["decode_tok_s"], c["decode_weight_bytes"]
+        floor = r["machine_rates"]["read_gbps"] * 1e9 / streamed
+        roof_rows += [
+            ("compact panels: packed copies; weight bytes a decode step streams",
+             f"{c['prepacked_bytes'] / 2**20:.0f} MiB; {streamed / 2**20:.0f} MiB"),
+            ("compact panels, single stream: tok/s, ÷ the fp32-panel engine's, share of the fp32 weights' floor",
+             f"{tok_s:.1f}, {tok_s / ss['decode_tok_s']:.2f}×, {pct(tok_s / a['memory_floor_tok_s'])}"),
+            ("compact panels, single stream: floor of the bytes it streams, share of it",
+             f"{floor:.1f} tok/s, {pct(tok_s / floor)}"),
+        ]
     roof_rows += [
         (f"TTFT, {tt['prefix_tokens']}-token prefix: cold / cached (median)",
          f"{1e3 * tt['cold_median_s']:.0f} ms / {1e3 * tt['cached_median_s']:.0f} ms"),
@@ -574,7 +606,11 @@ def write_docs(r: dict, tables) -> None:
         "packed copy of the linear weights, read by batches of up to 256 rows: by the panel kernel on AVX-512 CPUs, "
         "else by oneDNN); the rows after it are the same workload on the engine's defaults, without the copy, and "
         "with the copy over an int8 KV cache (`cache_bits: 8`, rows quantized per token and KV head: not fp32, so "
-        "not the figure the ratios and roofline shares use). "
+        "not the figure the ratios and roofline shares use), and with the copy as exact compact panels "
+        "(`cpu_compact_weights`, on by default with the copy: SmolLM2's fp32 weights are exactly the 4-bit and "
+        "8-bit codes of its GGUF file times fp16 scales, so the panels hold the codes and the kernel rebuilds the "
+        "same values; the arithmetic and every token are the same, only fewer weight bytes are read; kept out of "
+        "the headline, which stays the engine that stores fp32, as a model without such weights would run). "
         "HF static batches are left-padded, run to the batch's longest request and count only each request's "
         "requested tokens; `min_new_tokens = max_new_tokens` stops EOS from ending a row (it masks EOS, where the "
         "engine's `ignore_eos` only ignores it). HF continuous batching gets `eos_token_id=-1` per request, which "
@@ -673,7 +709,8 @@ def main() -> None:
     kv_tokens = s.num_requests * (s.prompt_lens[1] + s.output_lens[1] + 16)
     mc = ModelConfig.from_folder(path)
     llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048, num_threads=args.threads,
-              kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc), cpu_prepack_weights=not args.no_prepack)
+              kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc), cpu_prepack_weights=not args.no_prepack,
+              cpu_compact_weights=False)
     t2 = time.perf_counter()
     text_ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     t3 = time.perf_counter()
@@ -707,9 +744,14 @@ def main() -> None:
     gc.collect()
     if not args.no_prepack:
         budget = kv_tokens * roofline.kv_bytes_per_token(mc)
-        # The same workload, in the same process, on the engine's defaults (no packed weight copies),
-        # and with the packed copies over an int8 KV cache (a quarter of the KV bytes to read per step).
-        for key, options in (("engine_default", {}), ("engine_int8_kv", {"cpu_prepack_weights": True, "cache_bits": 8})):
+        # The same workload, in the same process, on the engine's defaults (no packed weight copies), with the
+        # packed copies over an int8 KV cache (a quarter of the KV bytes to read per step), and with the packed
+        # copies as exact compact panels (the same fp32 values from 4-bit and 8-bit codes: bitwise the same
+        # tokens, a sixth of the weight bytes to stream; its single stream is measured too).
+        for key, options in (("engine_default", {}),
+                             ("engine_int8_kv", {"cpu_prepack_weights": True, "cpu_compact_weights": False,
+                                                 "cache_bits": 8}),
+                             ("engine_compact", {"cpu_prepack_weights": True, "cpu_compact_weights": True})):
             llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
                       num_threads=args.threads, kv_cache_memory_bytes=budget, **options)
             llm.generate([text_ids[:16], text_ids[16:40]], [greedy(8), greedy(4)])
@@ -717,6 +759,11 @@ def main() -> None:
             r[key] = {"output_tokens": sum(map(len, other.outputs)), "wall_s": other.wall_s,
                       "tok_s": sum(map(len, other.outputs)) / other.wall_s,
                       "agreement": agreement(run.outputs, other.outputs)}
+            if key == "engine_compact":
+                r[key]["prepacked_bytes"] = llm.engine.prepacked_bytes
+                r[key]["decode_weight_bytes"] = decode_weight_bytes(llm.engine.model)
+                r[key]["single_stream"] = run_single_stream_rounds(
+                    llm, text_ids[single_at:single_at + s.single_prompt], s.single_output, s.single_rounds)
             del llm
             gc.collect()
     # The roof again after the runs: a machine that was slow at the start must not lower it.

@@ -39,7 +39,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", list(BLOCK))
-@pytest.mark.parametrize(("n", "k"), [(100, 576), (32, 64), (7, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(100, 576), (32, 64), (7, 1536), (150, 128)])
 def test_gguf_weights_pack_compactly_and_compute_bitwise_as_fp32_panels(kind, n, k):
     ops = cpu_kernels()
     rng = np.random.default_rng(n + k)
@@ -52,7 +52,8 @@ def test_gguf_weights_pack_compactly_and_compute_bitwise_as_fp32_panels(kind, n,
     assert torch.equal(bits(ops.unpack_compact_panels(packed, n)), bits(w))
     fp32 = ops.pack_panels(w)
     bias = torch.randn(n)
-    for rows in (1, 3, 12, 13, 50):
+    # 1-12 rows run straight from the codes (4, 2 or 1 panels at a time), more through a rebuilt panel.
+    for rows in (1, 2, 3, 4, 5, 8, 12, 13, 24, 50):
         x = torch.randn(rows, k)
         for b in (None, bias):
             assert torch.equal(bits(ops.panel_linear(x, packed, n, b)), bits(ops.panel_linear(x, fp32, n, b)))

@@ -10,6 +10,10 @@
 //
 // Every output element is one FMA chain over k = 0..K-1 in order, then + bias: a row's result
 // does not depend on how many rows share the call, how they are tiled or which thread runs them.
+//
+// A weight may also come as compact panels (uint8, see rebuild_panel below): exact 4-bit or 8-bit codes
+// with fp16 scales, from which the kernel rebuilds the same fp32 values, so the results are bitwise those
+// of the fp32 panels while a call reads a sixth or a quarter of the bytes.
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -127,6 +131,96 @@ static void rebuild_panel(const uint8_t* src, int64_t groups, int64_t block, flo
   }
 }
 
+// Up to kFusedMaxRows rows of x run straight from the codes: NP panels side by side, each step's 32 values of
+// each panel rebuilt in registers (the same two roundings as rebuild_panel) and used at once. Each output is
+// still one FMA chain over k in order from zero, then + bias, so results are the fp32 panels' bitwise. Why:
+// with so few rows a tile's 2 x MR accumulator chains leave the FMA units waiting on their latency, and
+// rebuilding through the scratch costs a store and a load per value; NP panels give 2 x MR x NP chains.
+// Each panel's block two groups ahead is prefetched as a group starts.
+constexpr int kFusedMaxRows = 12;
+
+template <bool kAffine>
+static inline void rebuild_step(const uint8_t* blk, int64_t k, const __m512 s[2], const __m512 o[2], __m512& w0,
+                                __m512& w1) {
+  if constexpr (kAffine) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * k)));
+    w0 = add_rn(mul_rn(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))), s[0]), o[0]);
+    w1 = add_rn(mul_rn(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[1]), o[1]);
+  } else {
+    const uint8_t* codes = blk + 64 + 32 * k;
+    w0 = mul_rn(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes)))), s[0]);
+    w1 = mul_rn(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16)))),
+                s[1]);
+  }
+}
+
+template <int MR, int NP, bool kAffine>
+static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t panel_bytes, int64_t groups, float* c,
+                       int64_t ldc, const float* bias, int64_t cols) {
+  constexpr int64_t block = kAffine ? kAffine4Block : kSym8Block;
+  __m512 acc[NP][MR][2];
+  for (int j = 0; j < NP; ++j)
+    for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk[NP];
+    __m512 s[NP][2], o[NP][2];
+    for (int j = 0; j < NP; ++j) {
+      blk[j] = src + j * panel_bytes + g * block;
+      s[j][0] = half16(blk[j]);
+      s[j][1] = half16(blk[j] + 32);
+      if constexpr (kAffine) {
+        o[j][0] = half16(blk[j] + 64);
+        o[j][1] = half16(blk[j] + 96);
+      }
+      if (g + 2 < groups)
+        for (int64_t line = 0; line < block; line += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j]) + 2 * block + line, _MM_HINT_T0);
+    }
+    const float* ag = a + g * kGroup;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      for (int j = 0; j < NP; ++j) {
+        __m512 w0, w1;
+        rebuild_step<kAffine>(blk[j], k, s[j], o[j], w0, w1);
+        for (int i = 0; i < MR; ++i) {
+          const __m512 av = _mm512_set1_ps(ag[i * lda + k]);
+          acc[j][i][0] = _mm512_fmadd_ps(av, w0, acc[j][i][0]);
+          acc[j][i][1] = _mm512_fmadd_ps(av, w1, acc[j][i][1]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t left = cols - j * kCols;
+    const __mmask16 m0 = lanes(left), m1 = lanes(left - 16);
+    const float* bj = bias ? bias + j * kCols : nullptr;
+    const __m512 b0 = bj ? _mm512_maskz_loadu_ps(m0, bj) : _mm512_setzero_ps();
+    const __m512 b1 = bj ? _mm512_maskz_loadu_ps(m1, bj + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      _mm512_mask_storeu_ps(c + i * ldc + j * kCols, m0, _mm512_add_ps(acc[j][i][0], b0));
+      _mm512_mask_storeu_ps(c + i * ldc + j * kCols + 16, m1, _mm512_add_ps(acc[j][i][1], b1));
+    }
+  }
+}
+
+using FusedFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t, const float*,
+                         int64_t);
+// [affine][rows][wide]: wide = NP panels at once (4 for one row, 2 for 2-4 rows: the registers allow no more),
+// narrow = one panel, for the panels left over.
+static const FusedFn kFused[2][kFusedMaxRows + 1][2] = {
+    {{nullptr, nullptr}, {fused_rows<1, 1, false>, fused_rows<1, 4, false>},
+     {fused_rows<2, 1, false>, fused_rows<2, 2, false>}, {fused_rows<3, 1, false>, fused_rows<3, 2, false>},
+     {fused_rows<4, 1, false>, fused_rows<4, 2, false>}, {fused_rows<5, 1, false>, fused_rows<5, 1, false>},
+     {fused_rows<6, 1, false>, fused_rows<6, 1, false>}, {fused_rows<7, 1, false>, fused_rows<7, 1, false>},
+     {fused_rows<8, 1, false>, fused_rows<8, 1, false>}, {fused_rows<9, 1, false>, fused_rows<9, 1, false>},
+     {fused_rows<10, 1, false>, fused_rows<10, 1, false>}, {fused_rows<11, 1, false>, fused_rows<11, 1, false>},
+     {fused_rows<12, 1, false>, fused_rows<12, 1, false>}},
+    {{nullptr, nullptr}, {fused_rows<1, 1, true>, fused_rows<1, 4, true>},
+     {fused_rows<2, 1, true>, fused_rows<2, 2, true>}, {fused_rows<3, 1, true>, fused_rows<3, 2, true>},
+     {fused_rows<4, 1, true>, fused_rows<4, 2, true>}, {fused_rows<5, 1, true>, fused_rows<5, 1, true>},
+     {fused_rows<6, 1, true>, fused_rows<6, 1, true>}, {fused_rows<7, 1, true>, fused_rows<7, 1, true>},
+     {fused_rows<8, 1, true>, fused_rows<8, 1, true>}, {fused_rows<9, 1, true>, fused_rows<9, 1, true>},
+     {fused_rows<10, 1, true>, fused_rows<10, 1, true>}, {fused_rows<11, 1, true>, fused_rows<11, 1, true>},
+     {fused_rows<12, 1, true>, fused_rows<12, 1, true>}}};
+
 // A thread's scratch for one rebuilt panel, grown as needed and kept for the thread's life.
 static float* panel_scratch(int64_t floats) {
   thread_local std::unique_ptr<float, decltype(&std::free)> buffer(nullptr, &std::free);
@@ -233,6 +327,26 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   const int64_t share = std::min((panel_lines + ntiles - 1) / ntiles, pf * K);  // lines per tile
   // A compact panel is rebuilt into the thread's scratch first (rebuild_panel); the tiles then prefetch the
   // next compact panel, a sixth or a quarter of the lines of an fp32 one.
+  if (compact && M <= kFusedMaxRows) {
+    const bool affine = block == kAffine4Block;
+    const int64_t wide = M == 1 ? 4 : (M <= 4 ? 2 : 1);
+    const int64_t units = (P + wide - 1) / wide;  // runs of `wide` panels, the last maybe shorter
+    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t first = u * wide, last = std::min(P, first + wide);
+        const auto* src = reinterpret_cast<const uint8_t*>(wp);
+        if (last - first == wide) {
+          kFused[affine][M][1](xp, lda, src + first * panel_bytes, panel_bytes, K / kGroup, yp + first * kCols, N,
+                               bp ? bp + first * kCols : nullptr, N - first * kCols);
+        } else {
+          for (int64_t p = first; p < last; ++p)
+            kFused[affine][M][0](xp, lda, src + p * panel_bytes, panel_bytes, K / kGroup, yp + p * kCols, N,
+                                 bp ? bp + p * kCols : nullptr, N - p * kCols);
+        }
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float* scratch = compact ? panel_scratch(K * kCols) : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
