@@ -152,8 +152,11 @@ class MemoryConfig(_Section):
     embedding_offload: bool = False
     # Prefills longer than this many tokens run the MLP in chunks through a preallocated workspace.
     activation_chunk_rows: NonNegativeInt = 512
-    # fp32 on the CPU: a oneDNN-layout copy of each linear weight, for faster decode batches.
+    # fp32 on the CPU: a packed copy of each linear weight (panel kernel or oneDNN), for faster decode batches.
     cpu_prepack_weights: bool = False
+    # With cpu_prepack_weights: weights that are exactly codes times fp16 scales (GGUF Q4_0/Q4_1/Q8_0
+    # imports) packed as those codes; the same values bit for bit, a sixth to a quarter of the bytes.
+    cpu_compact_weights: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -416,6 +419,7 @@ class ServiceConfig(_Section):
                 embedding_offload=memory.embedding_offload,
                 activation_chunk_rows=memory.activation_chunk_rows,
                 cpu_prepack_weights=memory.cpu_prepack_weights,
+                cpu_compact_weights=memory.cpu_compact_weights,
                 weight_bits=quant.weight_bits,
                 weight_group_size=quant.weight_group_size,
                 calibration_file=(str(Path(quant.calibration_file).expanduser())

@@ -24,7 +24,11 @@ at 128-256 (bench/panel_gemm.py), needs no padding and keeps no per-shape
 state; elsewhere it is oneDNN's
 blocked layout, so that oneDNN no longer re-lays the weight out on every call.
 It costs a second copy of the linear weights in memory; `bench.throughput`
-measures what it buys (its table has the engine with and without it).
+measures what it buys (its table has the engine with and without it). Where a
+weight's fp32 values are exactly integer codes times fp16 scales (a GGUF
+Q4_0/Q4_1/Q8_0 import), the copy holds the codes instead (engine option
+`cpu_compact_weights`, engine/models/compact_weights.py): a sixth to a quarter
+of the bytes, the same values and results bit for bit (bench/compact_weights.py).
 
 Batch-invariant mode (deterministic requests) routes every linear to a kernel
 whose per-row arithmetic does not depend on the number of rows, at a
