@@ -66,9 +66,16 @@ def main() -> None:
                          max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
         load_s[name] = time.perf_counter() - start
     packed = {name: llm.engine.prepacked_bytes for name, llm in llms.items()}
+    # What the engine holds for its weights (what the KV budget leaves room for), and with the freed fp32 linears.
+    resident = {name: llm.engine.weight_bytes + llm.engine.prepacked_bytes for name, llm in llms.items()}
+    freed = LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cpu_free_plain_weights=True,
+                num_kv_blocks=64)
+    resident["compact panels, fp32 linears freed"] = freed.engine.weight_bytes + freed.engine.prepacked_bytes
+    del freed
     prompts = passages(llms["fp32 panels"], biggest, args.context)
     data = {**run_info("bench.compact_weights", args.threads), "context": args.context, "steps": args.steps,
-            "rounds": args.rounds, "packed_bytes": packed, "load_s": load_s, "batches": {}}
+            "rounds": args.rounds, "packed_bytes": packed, "resident_weight_bytes": resident, "load_s": load_s,
+            "batches": {}}
     with progress_bar("compact weights", len(args.batches) * args.rounds * len(ARMS)) as advance, \
             torch.inference_mode():
         for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
@@ -107,7 +114,10 @@ def main() -> None:
         f"process with cpu_prepack_weights, alternating {args.rounds} rounds; the median of each round's "
         "decode-only steps at the full batch, then the median over rounds. Packed weight copies: "
         f"{mib['fp32 panels']} as fp32 panels, {mib['compact panels']} as compact panels (Q4_1 linears in 4-bit "
-        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes); engine construction "
+        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes). Weights the engine "
+        "holds, plain and packed (what its KV budget leaves room for): "
+        + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in resident.items())
+        + " (`cpu_free_plain_weights`; the embedding table stays, for token lookups). Engine construction "
         f"{load_s['fp32 panels']:.1f} s against {load_s['compact panels']:.1f} s (the search and the bit-for-bit "
         "check included). The panels rebuild the same fp32 values, so the greedy tokens must be equal.",
         f"ms per decode step, context {args.context}", headers, rows,

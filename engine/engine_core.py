@@ -87,7 +87,7 @@ class EngineCore:
                                            self.device, self.tokenizer)
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
-        self.prepacked_bytes = (self.model.prepack_weights(config.cpu_compact_weights)
+        self.prepacked_bytes = (self.model.prepack_weights(config.cpu_compact_weights, config.cpu_free_plain_weights)
                                 if config.cpu_prepack_weights else 0)
         if self.device.type == "cuda" and config.gpu_fused_kernels:
             self.model.enable_triton_fusions()

@@ -157,6 +157,8 @@ class MemoryConfig(_Section):
     # With cpu_prepack_weights: weights that are exactly codes times fp16 scales (GGUF Q4_0/Q4_1/Q8_0
     # imports) packed as those codes; the same values bit for bit, a sixth to a quarter of the bytes.
     cpu_compact_weights: bool = True
+    # With compact panels: free the fp32 linear weights they hold (larger batches rebuild them per call).
+    cpu_free_plain_weights: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -420,6 +422,7 @@ class ServiceConfig(_Section):
                 activation_chunk_rows=memory.activation_chunk_rows,
                 cpu_prepack_weights=memory.cpu_prepack_weights,
                 cpu_compact_weights=memory.cpu_compact_weights,
+                cpu_free_plain_weights=memory.cpu_free_plain_weights,
                 weight_bits=quant.weight_bits,
                 weight_group_size=quant.weight_group_size,
                 calibration_file=(str(Path(quant.calibration_file).expanduser())

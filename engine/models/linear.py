@@ -38,6 +38,7 @@ throughput cost measured in docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 from functools import cache
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.compact_weights import pack_compact
+from engine.models.compact_weights import is_compact, pack_compact
 from engine.models.cpu_kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `packed` is `prepack(weight)`, used by the oneDNN path instead of `weight`.
     """
     rows = x.shape[0]
+    # A freed weight (free_plain_weight): the panel kernel reads its codes, every other path a rebuild.
+    if weight.is_meta and not (rows <= PANEL_MAX_ROWS and x.dim() == 2 and x.device.type == "cpu"
+                               and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                               and not invariant_enabled()):
+        weight = plain_weight(weight, packed)
     if (x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
             and not torch.is_grad_enabled()):
         result = None
@@ -163,6 +169,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
+def plain_weight(weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """`weight` as fp32 values: itself, or, where it was freed, rebuilt from its compact panels (the same bits)."""
+    if not weight.is_meta:
+        return weight
+    if not is_compact(packed):
+        raise RuntimeError(f"linear weight {tuple(weight.shape)} was freed but has no compact panels to rebuild it")
+    return cpu_kernels().unpack_compact_panels(packed, weight.shape[0])
+
+
+def free_plain_weight(module: nn.Module, packed: torch.Tensor) -> int:
+    """Replace `module.weight` by a placeholder on the meta device when `packed` holds it exactly (compact
+    panels): larger batches and other paths then rebuild it per call (`plain_weight`). Returns the bytes freed."""
+    if not is_compact(packed) or module.weight.is_meta:
+        return 0
+    freed = module.weight.numel() * module.weight.element_size()
+    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
+                                 requires_grad=False)
+    return freed
+
+
 class Linear(nn.Linear):
     # Set by prepack_linears; deliberately not a parameter or buffer, so state dicts stay plain.
     packed: torch.Tensor | None = None
@@ -175,14 +201,27 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, out, self.packed)
 
 
-def prepack_linears(model: nn.Module, compact: bool = True) -> int:
-    """Give every fp32 CPU `Linear` in `model` its packed weight (`prepack`); returns the bytes added."""
-    added = 0
+def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = False) -> int:
+    """Give every fp32 CPU `Linear` in `model` its packed weight (`prepack`); returns the bytes added.
+
+    `free_plain`: a weight whose packed copy is compact is then freed (`free_plain_weight`); the model's
+    parameters then count only what stays (engine.quant.modules.weight_bytes skips freed ones)."""
+    added, freed = 0, False
     for module in model.modules():
         if isinstance(module, Linear) and (packed := prepack(module.weight, compact)) is not None:
             module.packed = packed
             added += packed_bytes(packed, module.weight)
+            if free_plain:
+                freed |= free_plain_weight(module, packed) > 0
+    if freed:
+        _return_freed_memory()
     return added
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to hand freed heap pages back to the system (else RSS keeps them for later allocations)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:

@@ -308,10 +308,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.mlp.workspace = workspace
 
-    def prepack_weights(self, compact: bool = True) -> int:
+    def prepack_weights(self, compact: bool = True, free_plain: bool = False) -> int:
         """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added.
-        `compact`: exact compact panels where a weight allows them (engine/models/compact_weights.py)."""
-        added = prepack_linears(self, compact)
+        `compact`: exact compact panels where a weight allows them (engine/models/compact_weights.py);
+        `free_plain`: then free the linears' fp32 weights that those panels hold (the embedding table stays,
+        for token lookups)."""
+        added = prepack_linears(self, compact, free_plain)
         if self.lm_head is None and (packed := prepack(self.embed_tokens.weight, compact)) is not None:
             self.embed_tokens.packed_head = packed
             added += packed_bytes(packed, self.embed_tokens.weight)

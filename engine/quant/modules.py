@@ -141,7 +141,7 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     tensors = [p for p in model.parameters()] + [b for _, b in _persistent_buffers(model)]
     for t in tensors:
-        if id(t) not in seen:
+        if id(t) not in seen and not t.is_meta:  # a freed weight (linear.free_plain_weight) holds no bytes
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total

@@ -134,3 +134,37 @@ def test_engine_with_compact_panels_equals_fp32_panels_bitwise(tmp_path, cache_b
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # exact floats
     assert packed[True] < 0.3 * packed[False]
+
+
+def test_freed_plain_weights_are_rebuilt_where_a_path_needs_them(tmp_path):
+    """cpu_free_plain_weights: the linears' fp32 weights are freed; prefill chunks over 256 rows (MKL) and
+    deterministic requests (the batch-invariant kernel) rebuild them, so every output stays the same."""
+    path = write_tiny_model(tmp_path / "m", "llama", seed=6, hidden_size=128, intermediate_size=256, tie=True)
+    quantize_model_weights(path, "Q4_1")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (300, 420, 40, 7)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    invariant = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5, deterministic=True)
+    runs = {}
+    for free in (False, True):
+        llm = LLM(model=str(path), dtype="float32", block_size=8, num_kv_blocks=512, max_num_batched_tokens=512,
+                  cpu_prepack_weights=True, cpu_free_plain_weights=free)
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, lin.Linear)]
+        assert all(m.weight.is_meta == free for m in linears)
+        assert not llm.engine.model.embed_tokens.weight.is_meta  # kept for token lookups
+        runs[free] = (llm.generate(prompts, params), llm.generate(prompts[2:], invariant), llm.engine.weight_bytes,
+                      sum(m.weight.numel() * 4 for m in linears))
+    for a, b in zip(runs[False][0] + runs[False][1], runs[True][0] + runs[True][1], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+    assert runs[True][2] == runs[False][2] - runs[False][3]
+
+
+def test_a_freed_weight_without_compact_panels_is_a_clear_error():
+    layer = lin.Linear(64, 32, bias=False)
+    packed = lin.prepack(gguf_roundtrip((np.random.default_rng(2).standard_normal((32, 64)) * 0.05)
+                                        .astype(np.float32), "Q8_0"))
+    assert lin.free_plain_weight(layer, torch.zeros(1, 64, 32)) == 0  # fp32 panels: nothing freed
+    assert lin.free_plain_weight(layer, packed) == 32 * 64 * 4 and layer.weight.is_meta
+    with pytest.raises(RuntimeError, match="was freed but has no compact panels"):
+        lin.linear(torch.randn(300, 64), layer.weight, packed=None)
