@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
 from bench.kv_decode import decode_steps, passages, whole_workload, workload_table
-from bench.report import publish_table, run_info, write_json
+from bench.report import markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import progress_bar
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.models.cpu_kernels import cpu_kernels
 
 ARMS = {"fp32 panels": False, "compact panels": True}  # name -> cpu_compact_weights
@@ -66,16 +68,9 @@ def main() -> None:
                          max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
         load_s[name] = time.perf_counter() - start
     packed = {name: llm.engine.prepacked_bytes for name, llm in llms.items()}
-    # What the engine holds for its weights (what the KV budget leaves room for), and with the freed fp32 linears.
-    resident = {name: llm.engine.weight_bytes + llm.engine.prepacked_bytes for name, llm in llms.items()}
-    freed = LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cpu_free_plain_weights=True,
-                num_kv_blocks=64)
-    resident["compact panels, fp32 linears freed"] = freed.engine.weight_bytes + freed.engine.prepacked_bytes
-    del freed
     prompts = passages(llms["fp32 panels"], biggest, args.context)
     data = {**run_info("bench.compact_weights", args.threads), "context": args.context, "steps": args.steps,
-            "rounds": args.rounds, "packed_bytes": packed, "resident_weight_bytes": resident, "load_s": load_s,
-            "batches": {}}
+            "rounds": args.rounds, "packed_bytes": packed, "load_s": load_s, "batches": {}}
     with progress_bar("compact weights", len(args.batches) * args.rounds * len(ARMS)) as advance, \
             torch.inference_mode():
         for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
@@ -95,6 +90,7 @@ def main() -> None:
                                       "round_step_s": times, "sequences_equal": same}
     del llms
     gc.collect()
+    data["memory"] = {name: measure_memory(options) for name, options in MEMORY_ARMS.items()}
     arms = {name: {"cpu_compact_weights": compact} for name, compact in ARMS.items()}
     if args.workload_rounds:
         data["workload"] = whole_workload(args.workload_rounds, arms, EQUAL_KEY)
@@ -114,14 +110,62 @@ def main() -> None:
         f"process with cpu_prepack_weights, alternating {args.rounds} rounds; the median of each round's "
         "decode-only steps at the full batch, then the median over rounds. Packed weight copies: "
         f"{mib['fp32 panels']} as fp32 panels, {mib['compact panels']} as compact panels (Q4_1 linears in 4-bit "
-        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes). Weights the engine "
-        "holds, plain and packed (what its KV budget leaves room for): "
-        + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in resident.items())
-        + " (`cpu_free_plain_weights`; the embedding table stays, for token lookups). Engine construction "
+        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes). Engine construction "
         f"{load_s['fp32 panels']:.1f} s against {load_s['compact panels']:.1f} s (the search and the bit-for-bit "
         "check included). The panels rebuild the same fp32 values, so the greedy tokens must be equal.",
         f"ms per decode step, context {args.context}", headers, rows,
-        extra=workload_table(data.get("workload"), tuple(ARMS), "weights", "greedy tokens equal", EQUAL_KEY))
+        extra="\n\n".join(filter(None, [memory_table(data["memory"]), workload_table(
+            data.get("workload"), tuple(ARMS), "weights", "greedy tokens equal", EQUAL_KEY)])))
+
+
+# Engine settings whose memory is measured, each in a fresh process.
+MEMORY_ARMS = {
+    "defaults (fp32 weights, no packed copies)": {},
+    "fp32 panels (cpu_prepack_weights)": {"cpu_prepack_weights": True, "cpu_compact_weights": False},
+    "compact panels (+ cpu_compact_weights, the default)": {"cpu_prepack_weights": True},
+    "compact panels, fp32 copies freed (+ cpu_free_plain_weights)": {"cpu_prepack_weights": True,
+                                                                     "cpu_free_plain_weights": True},
+}
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Rss line in /proc/self/smaps_rollup")
+
+
+def _memory_child(options: dict, results) -> None:
+    cpu_kernels()  # the libraries and the kernels are in the baseline, not in what the engine adds
+    gc.collect()
+    base = _rss_bytes()
+    llm = LLM(model="smollm2", dtype="float32", kv_cache_memory_bytes=16 * 2**20, **options)
+    llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    gc.collect()
+    results.put({"weight_bytes": llm.engine.weight_bytes, "prepacked_bytes": llm.engine.prepacked_bytes,
+                 "rss_growth_bytes": _rss_bytes() - base})
+
+
+def measure_memory(options: dict) -> dict:
+    """In a fresh process: the weight bytes the engine holds (what its KV budget subtracts) and how much the
+    process's resident memory grew from before the engine was built to after a first request (16 MiB of KV)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_memory_child, args=(options, results))
+    child.start()
+    out = results.get(timeout=600)
+    child.join()
+    return out
+
+
+def memory_table(memory: dict) -> str:
+    headers = ["engine settings", "weights held, plain + packed", "process memory added (RSS)"]
+    rows = [(name, f"{(m['weight_bytes'] + m['prepacked_bytes']) / 2**20:.0f} MiB",
+             f"{m['rss_growth_bytes'] / 2**20:.0f} MiB") for name, m in memory.items()]
+    title = ("Memory, each setting in a fresh process: RSS from before the engine is built to after its first "
+             "request, with a 16 MiB KV cache")
+    print_table(title, headers, rows)
+    return markdown_table(title, headers, rows)
 
 
 if __name__ == "__main__":

@@ -214,11 +214,11 @@ def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = F
             if free_plain:
                 freed |= free_plain_weight(module, packed) > 0
     if freed:
-        _return_freed_memory()
+        return_freed_memory()
     return added
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Ask glibc to hand freed heap pages back to the system (else RSS keeps them for later allocations)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -14,17 +14,20 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.models.compact_weights import is_compact
 from engine.models.config import ModelConfig
 from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
 from engine.models.linear import (
     PANEL_MAX_ROWS,
     Linear,
+    free_plain_weight,
     invariant_enabled,
     is_panel_packed,
     linear,
     packed_bytes,
     prepack,
     prepack_linears,
+    return_freed_memory,
 )
 from engine.models.rope import RotaryEmbedding
 
@@ -60,6 +63,14 @@ class Embedding(nn.Embedding):
         # torch._dynamo (and with it Triton) for nothing. The loader assigns the real weights.
         if not self.weight.is_meta:
             super().reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_meta:  # freed: the rows come from the compact panels of the tied head (the same bits)
+            if not is_compact(self.packed_head):
+                raise RuntimeError("the embedding table was freed but has no compact panels to rebuild rows from")
+            rows = cpu_kernels().compact_rows(self.packed_head, input_ids, self.num_embeddings)
+            return rows.view(*input_ids.shape, self.embedding_dim)
+        return super().forward(input_ids)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits over the vocabulary from hidden states."""
@@ -281,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
 
         self._fused_decode = None
         first = self.layers[0]
-        if (self.embed_tokens.weight.device.type != "cpu" or self.embed_tokens.weight.dtype != torch.float32
+        if (self.norm.weight.device.type != "cpu" or self.embed_tokens.weight.dtype != torch.float32
                 or self.rope.cos.dtype != torch.float32 or cpu_kernels() is None
                 or type(first.self_attn.backend) not in (CpuPagedAttentionBackend, CpuPagedInt8AttentionBackend)):
             return False
@@ -311,12 +322,14 @@ class LlamaForCausalLM(nn.Module):
     def prepack_weights(self, compact: bool = True, free_plain: bool = False) -> int:
         """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added.
         `compact`: exact compact panels where a weight allows them (engine/models/compact_weights.py);
-        `free_plain`: then free the linears' fp32 weights that those panels hold (the embedding table stays,
-        for token lookups)."""
+        `free_plain`: then free the fp32 weights that those panels hold, the tied embedding table included
+        (token lookups rebuild their rows: Embedding.forward)."""
         added = prepack_linears(self, compact, free_plain)
         if self.lm_head is None and (packed := prepack(self.embed_tokens.weight, compact)) is not None:
             self.embed_tokens.packed_head = packed
             added += packed_bytes(packed, self.embed_tokens.weight)
+            if free_plain and free_plain_weight(self.embed_tokens, packed):
+                return_freed_memory()
         self._enable_fused_decode()
         return added
 

@@ -134,7 +134,10 @@ def _map_name(name: str) -> tuple[str, int | None]:
 def _convert(tensor: torch.Tensor, shape: torch.Size, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if tensor.shape != shape:
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
-    return tensor.to(device=device, dtype=dtype).contiguous()
+    out = tensor.to(device=device, dtype=dtype).contiguous()
+    # safe_open's tensors are views of the file's memory map, which stays mapped, and resident, while any of
+    # them lives (the whole file, the shards copied into fused weights included): an own copy lets it go.
+    return out.clone() if out.data_ptr() == tensor.data_ptr() else out
 
 
 def _assign(model: torch.nn.Module, target: str, value: torch.Tensor) -> None:

@@ -165,10 +165,13 @@ def test_smollm2_compact_panels_give_bitwise_the_fp32_panels_logprobs(smollm2_pa
     chats = SMOL_PROMPTS[:3]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
     runs = {}
-    for compact in (False, True):
+    # fp32 panels; compact panels; compact panels with the fp32 weights freed (rows and prefill rebuilt).
+    for arm, compact, free in (("fp32", False, False), ("compact", True, False), ("freed", True, True)):
         llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64, cpu_prepack_weights=True,
-                  cpu_compact_weights=compact)
-        runs[compact] = (llm.chat(chats, params), llm.engine.prepacked_bytes)
-    for a, b in zip(runs[False][0], runs[True][0], strict=True):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    assert runs[True][1] < 0.25 * runs[False][1]  # 4-bit and 8-bit codes with fp16 scales
+                  cpu_compact_weights=compact, cpu_free_plain_weights=free)
+        runs[arm] = (llm.chat(chats, params), llm.engine.prepacked_bytes, llm.engine.weight_bytes)
+    for arm in ("compact", "freed"):
+        for a, b in zip(runs["fp32"][0], runs[arm][0], strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert runs["compact"][1] < 0.25 * runs["fp32"][1]  # 4-bit and 8-bit codes with fp16 scales
+    assert runs["freed"][2] < 0.01 * runs["compact"][2]  # only the norms stay in fp32

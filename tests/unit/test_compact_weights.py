@@ -136,10 +136,12 @@ def test_engine_with_compact_panels_equals_fp32_panels_bitwise(tmp_path, cache_b
     assert packed[True] < 0.3 * packed[False]
 
 
-def test_freed_plain_weights_are_rebuilt_where_a_path_needs_them(tmp_path):
-    """cpu_free_plain_weights: the linears' fp32 weights are freed; prefill chunks over 256 rows (MKL) and
-    deterministic requests (the batch-invariant kernel) rebuild them, so every output stays the same."""
-    path = write_tiny_model(tmp_path / "m", "llama", seed=6, hidden_size=128, intermediate_size=256, tie=True)
+@pytest.mark.parametrize("tie", [True, False])
+def test_freed_plain_weights_are_rebuilt_where_a_path_needs_them(tmp_path, tie):
+    """cpu_free_plain_weights: the fp32 weights that compact panels hold are freed (a tied embedding table too:
+    token lookups rebuild their rows); prefill chunks over 256 rows (MKL) and deterministic requests (the
+    batch-invariant kernel) rebuild the linears, so every output stays the same."""
+    path = write_tiny_model(tmp_path / "m", "llama", seed=6, hidden_size=128, intermediate_size=256, tie=tie)
     quantize_model_weights(path, "Q4_1")
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (300, 420, 40, 7)]
@@ -149,11 +151,15 @@ def test_freed_plain_weights_are_rebuilt_where_a_path_needs_them(tmp_path):
     for free in (False, True):
         llm = LLM(model=str(path), dtype="float32", block_size=8, num_kv_blocks=512, max_num_batched_tokens=512,
                   cpu_prepack_weights=True, cpu_free_plain_weights=free)
-        linears = [m for m in llm.engine.model.modules() if isinstance(m, lin.Linear)]
+        model = llm.engine.model
+        linears = [m for m in model.modules() if isinstance(m, lin.Linear)]
         assert all(m.weight.is_meta == free for m in linears)
-        assert not llm.engine.model.embed_tokens.weight.is_meta  # kept for token lookups
+        # An untied table has no packed copy to rebuild rows from, so it stays.
+        assert model.embed_tokens.weight.is_meta == (free and tie)
+        assert model._fused_decode is not None
+        held = linears + ([model.embed_tokens] if tie else [])
         runs[free] = (llm.generate(prompts, params), llm.generate(prompts[2:], invariant), llm.engine.weight_bytes,
-                      sum(m.weight.numel() * 4 for m in linears))
+                      sum(m.weight.numel() * 4 for m in held))
     for a, b in zip(runs[False][0] + runs[False][1], runs[True][0] + runs[True][1], strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
@@ -168,3 +174,15 @@ def test_a_freed_weight_without_compact_panels_is_a_clear_error():
     assert lin.free_plain_weight(layer, packed) == 32 * 64 * 4 and layer.weight.is_meta
     with pytest.raises(RuntimeError, match="was freed but has no compact panels"):
         lin.linear(torch.randn(300, 64), layer.weight, packed=None)
+
+
+def test_compact_rows_rebuild_embedding_rows_bit_for_bit():
+    ops = cpu_kernels()
+    rng = np.random.default_rng(3)
+    for kind in ("Q8_0", "Q4_1"):
+        table = gguf_roundtrip((rng.standard_normal((70, 96)) * 0.05).astype(np.float32), kind)
+        packed = cw.pack_compact(table, ops.unpack_compact_panels)
+        ids = torch.tensor([[0, 69, 31], [32, 5, 5]])
+        assert torch.equal(bits(ops.compact_rows(packed, ids, 70)), bits(table[ids.view(-1)]))
+        with pytest.raises(RuntimeError, match="row 70 outside"):
+            ops.compact_rows(packed, torch.tensor([1, 70]), 70)

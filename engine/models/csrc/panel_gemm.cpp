@@ -269,6 +269,56 @@ torch::Tensor unpack_compact_panels(torch::Tensor packed, int64_t out_features) 
 #endif
 }
 
+// Rows `ids` of the weight that compact panels hold, [ids, K] fp32: the token embeddings of a tied table whose
+// fp32 copy was freed. Each value is rebuilt with rebuild_panel's roundings (the same bits).
+torch::Tensor compact_rows(torch::Tensor packed, torch::Tensor ids, int64_t out_features) {
+#if defined(__AVX512F__)
+  using namespace panel_gemm;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte, "compact_rows takes a compact (uint8) packed weight");
+  const int64_t block = compact_block(packed), P = packed.size(0), G = packed.size(1), K = G * kGroup;
+  TORCH_CHECK(out_features > (P - 1) * kCols && out_features <= P * kCols, "compact_rows: out_features ",
+              out_features, " does not match ", P, " panels");
+  auto idx = ids.to(torch::kLong).contiguous().view(-1);
+  const int64_t n = idx.numel();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < out_features, "compact_rows: row ", id[i], " outside [0, ", out_features, ")");
+  auto out = torch::empty({n, K}, torch::kFloat);
+  float* dst = out.data_ptr<float>();
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const bool affine = block == kAffine4Block;
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    alignas(64) int32_t codes[kGroup];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t col = id[i] % kCols;
+      const uint8_t* blk = base + (id[i] / kCols) * G * block;
+      for (int64_t g = 0; g < G; ++g, blk += block) {
+        const auto* halves = reinterpret_cast<const at::Half*>(blk);
+        const __m512 s = _mm512_set1_ps(static_cast<float>(halves[col]));
+        const __m512 o = _mm512_set1_ps(affine ? static_cast<float>(halves[kCols + col]) : 0.f);
+        for (int64_t k = 0; k < kGroup; ++k) {
+          if (affine) {
+            const uint8_t byte = blk[128 + 16 * k + col % 16];
+            codes[k] = col < 16 ? (byte & 0xF) : (byte >> 4);
+          } else {
+            codes[k] = static_cast<int8_t>(blk[64 + 32 * k + col]);
+          }
+        }
+        float* row = dst + i * K + g * kGroup;
+        for (int64_t h = 0; h < kGroup; h += 16) {
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_load_si512(codes + h));
+          _mm512_storeu_ps(row + h, affine ? add_rn(mul_rn(q, s), o) : mul_rn(q, s));
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "compact_rows needs AVX-512");
+  return packed;
+#endif
+}
+
 bool panel_gemm_available() {
 #if defined(__AVX512F__)
   return true;
