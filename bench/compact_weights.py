@@ -23,14 +23,13 @@ import gc
 import multiprocessing
 import os
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench.kv_decode import decode_steps, passages, whole_workload, workload_table
+from bench.kv_decode import alternate_rounds, decode_steps, passages, whole_workload, workload_table
 from bench.report import markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM, SamplingParams
@@ -60,31 +59,21 @@ def main() -> None:
     block_size = 16
     blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64
     cpu_kernels()  # built or loaded from disk before the engines are timed
-    llms, load_s = {}, {}
-    for name, compact in ARMS.items():
-        start = time.perf_counter()
-        llms[name] = LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cpu_compact_weights=compact,
-                         block_size=block_size, num_kv_blocks=blocks, max_num_seqs=biggest,
-                         max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
-        load_s[name] = time.perf_counter() - start
+    llms = {name: LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cpu_compact_weights=compact,
+                      block_size=block_size, num_kv_blocks=blocks, max_num_seqs=biggest,
+                      max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
+            for name, compact in ARMS.items()}
     packed = {name: llm.engine.prepacked_bytes for name, llm in llms.items()}
+    load_s = {name: llm.engine.prepack_s for name, llm in llms.items()}
     prompts = passages(llms["fp32 panels"], biggest, args.context)
     data = {**run_info("bench.compact_weights", args.threads), "context": args.context, "steps": args.steps,
-            "rounds": args.rounds, "packed_bytes": packed, "load_s": load_s, "batches": {}}
+            "rounds": args.rounds, "packed_bytes": packed, "prepack_s": load_s, "batches": {}}
     with progress_bar("compact weights", len(args.batches) * args.rounds * len(ARMS)) as advance, \
             torch.inference_mode():
         for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
             decode_steps(llm, prompts, 2, f"warm-{name}")
         for batch in args.batches:
-            times: dict[str, list[float]] = {name: [] for name in ARMS}
-            tokens: dict[str, list[list[int]]] = {}
-            for r in range(args.rounds):
-                for name, llm in llms.items():
-                    t, tokens[name] = decode_steps(llm, prompts[:batch], args.steps, f"b{batch}-r{r}")
-                    if not t:
-                        raise RuntimeError(f"{name}: no decode-only step ran at batch {batch}")
-                    times[name].append(statistics.median(t))
-                    advance()
+            times, tokens = alternate_rounds(llms, prompts[:batch], args.steps, args.rounds, advance)
             same = sum(a == b for a, b in zip(tokens["fp32 panels"], tokens["compact panels"], strict=True))
             data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
                                       "round_step_s": times, "sequences_equal": same}
@@ -110,9 +99,9 @@ def main() -> None:
         f"process with cpu_prepack_weights, alternating {args.rounds} rounds; the median of each round's "
         "decode-only steps at the full batch, then the median over rounds. Packed weight copies: "
         f"{mib['fp32 panels']} as fp32 panels, {mib['compact panels']} as compact panels (Q4_1 linears in 4-bit "
-        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes). Engine construction "
-        f"{load_s['fp32 panels']:.1f} s against {load_s['compact panels']:.1f} s (the search and the bit-for-bit "
-        "check included). The panels rebuild the same fp32 values, so the greedy tokens must be equal.",
+        "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes), packed at engine start "
+        f"in {load_s['fp32 panels']:.1f} s against {load_s['compact panels']:.1f} s (the search for codes and the "
+        "bit-for-bit check included). The panels rebuild the same fp32 values, so the greedy tokens must be equal.",
         f"ms per decode step, context {args.context}", headers, rows,
         extra="\n\n".join(filter(None, [memory_table(data["memory"]), workload_table(
             data.get("workload"), tuple(ARMS), "weights", "greedy tokens equal", EQUAL_KEY)])))

@@ -71,6 +71,22 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int, tag: str) -> tu
     return times, [done[rid] for rid in ids]
 
 
+def alternate_rounds(llms: dict[str, LLM], prompts: list[list[int]], steps: int, rounds: int,
+                     advance) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """The engines take turns, `rounds` times, decoding `prompts` together: per engine, each round's median
+    decode-only step time at the full batch, and its last round's tokens."""
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(rounds):
+        for name, llm in llms.items():
+            t, tokens[name] = decode_steps(llm, prompts, steps, f"b{len(prompts)}-r{r}")
+            if not t:
+                raise RuntimeError(f"{name}: no decode-only step ran at batch {len(prompts)}")
+            times[name].append(statistics.median(t))
+            advance()
+    return times, tokens
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 48], help="sequences decoding together")
@@ -102,15 +118,7 @@ def main() -> None:
         for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
             decode_steps(llm, prompts, 2, f"warm-{name}")
         for batch in args.batches:
-            times: dict[str, list[float]] = {name: [] for name in ARMS}
-            tokens: dict[str, list[list[int]]] = {}
-            for r in range(args.rounds):
-                for name, llm in llms.items():
-                    t, tokens[name] = decode_steps(llm, prompts[:batch], args.steps, f"b{batch}-r{r}")
-                    if not t:
-                        raise RuntimeError(f"{name}: no decode-only step ran at batch {batch}")
-                    times[name].append(statistics.median(t))
-                    advance()
+            times, tokens = alternate_rounds(llms, prompts[:batch], args.steps, args.rounds, advance)
             same = sum(a == b for a, b in zip(tokens["fp32 KV"], tokens["int8 KV"], strict=True))
             data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
                                       "round_step_s": times, "int8_sequences_equal_fp32": same}

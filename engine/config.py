@@ -60,9 +60,9 @@ class EngineConfig:
     # (a GGUF Q4_0/Q4_1/Q8_0 import) is packed as those codes, and the kernel rebuilds the same values
     # bit for bit (engine/models/compact_weights.py): 16-27% of the bytes, the same outputs.
     cpu_compact_weights: bool = True
-    # With compact panels: free the fp32 linear weights they hold (prefill chunks over 256 rows and
-    # deterministic requests rebuild a layer's weight per call); SmolLM2's resident weights drop from
-    # 605 MiB (fp32 weights plus the panels) to 200 MiB. The embedding table stays, for token lookups.
+    # With compact panels: free the fp32 weights they hold, a tied embedding table included (prefill
+    # chunks over 256 rows and deterministic requests rebuild a layer's weight per call, token lookups
+    # their rows); SmolLM2's weights drop from 605 MiB (fp32 weights plus the panels) to 92 MiB.
     cpu_free_plain_weights: bool = False
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).

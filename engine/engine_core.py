@@ -87,8 +87,12 @@ class EngineCore:
                                            self.device, self.tokenizer)
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
+        start = time.perf_counter()
         self.prepacked_bytes = (self.model.prepack_weights(config.cpu_compact_weights, config.cpu_free_plain_weights)
                                 if config.cpu_prepack_weights else 0)
+        self.prepack_s = time.perf_counter() - start
+        if self.prepacked_bytes:
+            log.info("packed weight copies: %.0f MiB in %.1f s", self.prepacked_bytes / 2**20, self.prepack_s)
         if self.device.type == "cuda" and config.gpu_fused_kernels:
             self.model.enable_triton_fusions()
         if config.activation_chunk_rows:

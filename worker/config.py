@@ -157,7 +157,7 @@ class MemoryConfig(_Section):
     # With cpu_prepack_weights: weights that are exactly codes times fp16 scales (GGUF Q4_0/Q4_1/Q8_0
     # imports) packed as those codes; the same values bit for bit, a sixth to a quarter of the bytes.
     cpu_compact_weights: bool = True
-    # With compact panels: free the fp32 linear weights they hold (larger batches rebuild them per call).
+    # With compact panels: free the fp32 weights they hold (larger batches rebuild them per call).
     cpu_free_plain_weights: bool = False
 
     def __post_init__(self) -> None:

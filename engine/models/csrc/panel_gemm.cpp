@@ -17,8 +17,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <array>
 #include <cstdlib>
 #include <memory>
+#include <utility>
 
 namespace panel_gemm {
 
@@ -203,23 +205,19 @@ static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t 
 
 using FusedFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t, const float*,
                          int64_t);
-// [affine][rows][wide]: wide = NP panels at once (4 for one row, 2 for 2-4 rows: the registers allow no more),
-// narrow = one panel, for the panels left over.
-static const FusedFn kFused[2][kFusedMaxRows + 1][2] = {
-    {{nullptr, nullptr}, {fused_rows<1, 1, false>, fused_rows<1, 4, false>},
-     {fused_rows<2, 1, false>, fused_rows<2, 2, false>}, {fused_rows<3, 1, false>, fused_rows<3, 2, false>},
-     {fused_rows<4, 1, false>, fused_rows<4, 2, false>}, {fused_rows<5, 1, false>, fused_rows<5, 1, false>},
-     {fused_rows<6, 1, false>, fused_rows<6, 1, false>}, {fused_rows<7, 1, false>, fused_rows<7, 1, false>},
-     {fused_rows<8, 1, false>, fused_rows<8, 1, false>}, {fused_rows<9, 1, false>, fused_rows<9, 1, false>},
-     {fused_rows<10, 1, false>, fused_rows<10, 1, false>}, {fused_rows<11, 1, false>, fused_rows<11, 1, false>},
-     {fused_rows<12, 1, false>, fused_rows<12, 1, false>}},
-    {{nullptr, nullptr}, {fused_rows<1, 1, true>, fused_rows<1, 4, true>},
-     {fused_rows<2, 1, true>, fused_rows<2, 2, true>}, {fused_rows<3, 1, true>, fused_rows<3, 2, true>},
-     {fused_rows<4, 1, true>, fused_rows<4, 2, true>}, {fused_rows<5, 1, true>, fused_rows<5, 1, true>},
-     {fused_rows<6, 1, true>, fused_rows<6, 1, true>}, {fused_rows<7, 1, true>, fused_rows<7, 1, true>},
-     {fused_rows<8, 1, true>, fused_rows<8, 1, true>}, {fused_rows<9, 1, true>, fused_rows<9, 1, true>},
-     {fused_rows<10, 1, true>, fused_rows<10, 1, true>}, {fused_rows<11, 1, true>, fused_rows<11, 1, true>},
-     {fused_rows<12, 1, true>, fused_rows<12, 1, true>}}};
+
+// Panels side by side for `rows` rows: 4 for one row, 2 for 2-4 rows, else 1 (the registers allow no more).
+constexpr int fused_width(int rows) { return rows == 1 ? 4 : (rows <= 4 ? 2 : 1); }
+
+template <bool kAffine, int... R>
+constexpr std::array<std::array<FusedFn, 2>, sizeof...(R) + 1> fused_table(std::integer_sequence<int, R...>) {
+  return {{{nullptr, nullptr}, {fused_rows<R + 1, 1, kAffine>, fused_rows<R + 1, fused_width(R + 1), kAffine>}...}};
+}
+
+// [affine][rows][wide]: wide runs fused_width(rows) panels at once, narrow one panel (for the panels left over).
+static constexpr std::array<std::array<FusedFn, 2>, kFusedMaxRows + 1> kFused[2] = {
+    fused_table<false>(std::make_integer_sequence<int, kFusedMaxRows>{}),
+    fused_table<true>(std::make_integer_sequence<int, kFusedMaxRows>{})};
 
 // A thread's scratch for one rebuilt panel, grown as needed and kept for the thread's life.
 static float* panel_scratch(int64_t floats) {
@@ -379,7 +377,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   // next compact panel, a sixth or a quarter of the lines of an fp32 one.
   if (compact && M <= kFusedMaxRows) {
     const bool affine = block == kAffine4Block;
-    const int64_t wide = M == 1 ? 4 : (M <= 4 ? 2 : 1);
+    const int64_t wide = fused_width(static_cast<int>(M));
     const int64_t units = (P + wide - 1) / wide;  // runs of `wide` panels, the last maybe shorter
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
