@@ -47,7 +47,7 @@ def build_weights(seed: int) -> list[dict[str, torch.Tensor | None]]:
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) / k ** 0.5
         weights.append({"plain": w, "onednn": torch.ops.mkldnn._reorder_linear_weight(w, lin.PACK_HINT_ROWS),
-                        "panel": lin.prepack(w)})
+                        "panel": lin.prepack(w, compact=False)})
     return weights
 
 

@@ -129,7 +129,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by the fastest path for x's rows; with `out`, written there (a workspace).
 
-    `packed` is `prepack(weight)`, used by the oneDNN path instead of `weight`.
+    `packed` is `prepack(weight)`, read by the panel kernel or the oneDNN path instead of `weight`; a freed
+    `weight` (on the meta device, free_plain_weight) is rebuilt from it where another path needs it.
     """
     rows = x.shape[0]
     # A freed weight (free_plain_weight): the panel kernel reads its codes, every other path a rebuild.
