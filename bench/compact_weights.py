@@ -18,7 +18,6 @@ bench/results/compact_weights.json and its section of docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import multiprocessing
 import os
@@ -29,7 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench.kv_decode import alternate_rounds, decode_steps, passages, whole_workload, workload_table
+from bench.kv_decode import (
+    alternate_rounds,
+    decode_steps,
+    parse_args,
+    passages,
+    whole_workload,
+    workload_table,
+)
 from bench.report import markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM, SamplingParams
@@ -40,21 +46,7 @@ EQUAL_KEY = "requests_equal"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 48, 64],
-                    help="sequences decoding together")
-    ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
-    ap.add_argument("--steps", type=int, default=24, help="output tokens per sequence and round")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two engines (medians compared)")
-    ap.add_argument("--workload-rounds", type=int, default=2,
-                    help="alternations of the two engines on bench.throughput's workload (0: skip it)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    args = ap.parse_args()
-    if (min(args.batches) < 1 or max(args.batches) > 256 or args.context < 1 or args.steps < 2 or args.rounds < 1
-            or args.workload_rounds < 0):
-        raise SystemExit("--batches must be 1-256, --context >= 1, --steps >= 2, --rounds >= 1 and "
-                         "--workload-rounds >= 0")
-    torch.set_num_threads(args.threads)
+    args = parse_args(__doc__, [1, 8, 16, 32, 48, 64], "engines")
     biggest = max(args.batches)
     block_size = 16
     blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64

@@ -87,14 +87,15 @@ def alternate_rounds(llms: dict[str, LLM], prompts: list[list[int]], steps: int,
     return times, tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="+", default=[16, 48], help="sequences decoding together")
+def parse_args(doc: str, batches: list[int], arms: str) -> argparse.Namespace:
+    """The options of an alternating decode-step benchmark (this one, bench.compact_weights), checked."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=batches, help="sequences decoding together")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=24, help="output tokens per sequence and round")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two caches (medians compared)")
+    ap.add_argument("--rounds", type=int, default=3, help=f"alternations of the two {arms} (medians compared)")
     ap.add_argument("--workload-rounds", type=int, default=2,
-                    help="alternations of the two caches on bench.throughput's workload (0: skip it)")
+                    help=f"alternations of the two {arms} on bench.throughput's workload (0: skip it)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     if (min(args.batches) < 1 or max(args.batches) > 256 or args.context < 1 or args.steps < 2 or args.rounds < 1
@@ -102,6 +103,11 @@ def main() -> None:
         raise SystemExit("--batches must be 1-256, --context >= 1, --steps >= 2, --rounds >= 1 and "
                          "--workload-rounds >= 0")
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__, [16, 48], "caches")
     biggest = max(args.batches)
     block_size = 16
     blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64  # every round's rows, and slack

@@ -233,6 +233,17 @@ static float* panel_scratch(int64_t floats) {
 }
 
 // Checks a compact panel tensor [P, K / 32, block] and returns its block size.
+static int64_t compact_block(const torch::Tensor& packed);
+
+// Checks `packed` (compact, uint8) as `fn`'s argument holding `out_features` rows; returns its block size.
+static int64_t checked_compact(const torch::Tensor& packed, int64_t out_features, const char* fn) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte, fn, " takes a compact (uint8) packed weight");
+  const int64_t block = compact_block(packed), P = packed.size(0);
+  TORCH_CHECK(out_features > (P - 1) * kCols && out_features <= P * kCols, fn, ": out_features ", out_features,
+              " does not match ", P, " panels");
+  return block;
+}
+
 static int64_t compact_block(const torch::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                   (packed.size(2) == kAffine4Block || packed.size(2) == kSym8Block),
@@ -249,10 +260,8 @@ static int64_t compact_block(const torch::Tensor& packed) {
 torch::Tensor unpack_compact_panels(torch::Tensor packed, int64_t out_features) {
 #if defined(__AVX512F__)
   using namespace panel_gemm;
-  TORCH_CHECK(packed.scalar_type() == torch::kByte, "unpack_compact_panels takes a compact (uint8) packed weight");
-  const int64_t block = compact_block(packed), P = packed.size(0), G = packed.size(1), K = G * kGroup;
-  TORCH_CHECK(out_features > (P - 1) * kCols && out_features <= P * kCols, "unpack_compact_panels: out_features ",
-              out_features, " does not match ", P, " panels");
+  const int64_t block = checked_compact(packed, out_features, "unpack_compact_panels");
+  const int64_t P = packed.size(0), G = packed.size(1), K = G * kGroup;
   auto panels = torch::empty({P, K, kCols}, torch::kFloat);
   const uint8_t* src = packed.data_ptr<uint8_t>();
   float* dst = panels.data_ptr<float>();
@@ -272,10 +281,8 @@ torch::Tensor unpack_compact_panels(torch::Tensor packed, int64_t out_features) 
 torch::Tensor compact_rows(torch::Tensor packed, torch::Tensor ids, int64_t out_features) {
 #if defined(__AVX512F__)
   using namespace panel_gemm;
-  TORCH_CHECK(packed.scalar_type() == torch::kByte, "compact_rows takes a compact (uint8) packed weight");
-  const int64_t block = compact_block(packed), P = packed.size(0), G = packed.size(1), K = G * kGroup;
-  TORCH_CHECK(out_features > (P - 1) * kCols && out_features <= P * kCols, "compact_rows: out_features ",
-              out_features, " does not match ", P, " panels");
+  const int64_t block = checked_compact(packed, out_features, "compact_rows");
+  const int64_t G = packed.size(1), K = G * kGroup;
   auto idx = ids.to(torch::kLong).contiguous().view(-1);
   const int64_t n = idx.numel();
   const int64_t* id = idx.data_ptr<int64_t>();
