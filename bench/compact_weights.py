@@ -21,23 +21,18 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import statistics
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
-
 from bench.kv_decode import (
-    alternate_rounds,
-    decode_steps,
+    measure_batches,
     parse_args,
     passages,
     whole_workload,
     workload_table,
 )
 from bench.report import markdown_table, print_table, publish_table, run_info, write_json
-from bench.throughput import progress_bar
 from engine import LLM, SamplingParams
 from engine.models.cpu_kernels import cpu_kernels
 
@@ -60,15 +55,7 @@ def main() -> None:
     prompts = passages(llms["fp32 panels"], biggest, args.context)
     data = {**run_info("bench.compact_weights", args.threads), "context": args.context, "steps": args.steps,
             "rounds": args.rounds, "packed_bytes": packed, "prepack_s": load_s, "batches": {}}
-    with progress_bar("compact weights", len(args.batches) * args.rounds * len(ARMS)) as advance, \
-            torch.inference_mode():
-        for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
-            decode_steps(llm, prompts, 2, f"warm-{name}")
-        for batch in args.batches:
-            times, tokens = alternate_rounds(llms, prompts[:batch], args.steps, args.rounds, advance)
-            same = sum(a == b for a, b in zip(tokens["fp32 panels"], tokens["compact panels"], strict=True))
-            data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
-                                      "round_step_s": times, "sequences_equal": same}
+    data["batches"] = measure_batches(llms, prompts, args, "compact weights", "sequences_equal")
     del llms
     gc.collect()
     data["memory"] = {name: measure_memory(options) for name, options in MEMORY_ARMS.items()}

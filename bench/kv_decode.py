@@ -87,6 +87,23 @@ def alternate_rounds(llms: dict[str, LLM], prompts: list[list[int]], steps: int,
     return times, tokens
 
 
+def measure_batches(llms: dict[str, LLM], prompts: list[list[int]], args: argparse.Namespace, label: str,
+                    equal_key: str) -> dict[int, dict]:
+    """Per batch in args.batches: each engine's median step time over `alternate_rounds`, the rounds' times,
+    and (as `equal_key`) how many sequences the first two engines decoded to the same tokens."""
+    first, second = list(llms)[:2]
+    out: dict[int, dict] = {}
+    with progress_bar(label, len(args.batches) * args.rounds * len(llms)) as advance, torch.inference_mode():
+        for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
+            decode_steps(llm, prompts, 2, f"warm-{name}")
+        for batch in args.batches:
+            times, tokens = alternate_rounds(llms, prompts[:batch], args.steps, args.rounds, advance)
+            out[batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
+                          "round_step_s": times,
+                          equal_key: sum(a == b for a, b in zip(tokens[first], tokens[second], strict=True))}
+    return out
+
+
 def parse_args(doc: str, batches: list[int], arms: str) -> argparse.Namespace:
     """The options of an alternating decode-step benchmark (this one, bench.compact_weights), checked."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,14 +139,7 @@ def main() -> None:
     prompts = passages(llms["fp32 KV"], biggest, args.context)
     data = {**run_info("bench.kv_decode", args.threads), "context": args.context, "steps": args.steps,
             "rounds": args.rounds, "kv_bytes_per_token": row_bytes, "batches": {}}
-    with progress_bar("kv decode", len(args.batches) * args.rounds * len(ARMS)) as advance, torch.inference_mode():
-        for name, llm in llms.items():  # prefill every prompt once; later rounds hit the prefix cache
-            decode_steps(llm, prompts, 2, f"warm-{name}")
-        for batch in args.batches:
-            times, tokens = alternate_rounds(llms, prompts[:batch], args.steps, args.rounds, advance)
-            same = sum(a == b for a, b in zip(tokens["fp32 KV"], tokens["int8 KV"], strict=True))
-            data["batches"][batch] = {"median_step_s": {n: statistics.median(v) for n, v in times.items()},
-                                      "round_step_s": times, "int8_sequences_equal_fp32": same}
+    data["batches"] = measure_batches(llms, prompts, args, "kv decode", "int8_sequences_equal_fp32")
     del llms
     gc.collect()
     if args.workload_rounds:
