@@ -35,11 +35,12 @@ _SOURCES = (
     _ENGINE / "quant" / "csrc" / "quant_linear_cpu.cpp",
     _ENGINE / "models" / "csrc" / "fused_cpu.cpp",
     _ENGINE / "models" / "csrc" / "panel_gemm.cpp",
+    _ENGINE / "models" / "csrc" / "compact_codes.cpp",
     _ENGINE / "models" / "csrc" / "decode_layers.cpp",
 )
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_", "silu_mul_rows_",
-              "panel_gemm_available", "pack_panels", "panel_linear", "unpack_compact_panels", "compact_rows", "decode_layers",
+              "panel_gemm_available", "pack_panels", "panel_linear", "unpack_compact_panels", "compact_rows", "find_compact_codes", "decode_layers",
               "paged_prefill_attention", "paged_prefill_attention_int8"]
 
 

@@ -117,7 +117,7 @@ def prepack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor | None:
         return None
     if _panel_kernel():
         ops = cpu_kernels()
-        if compact and (packed := pack_compact(weight, ops.unpack_compact_panels)) is not None:
+        if compact and (packed := pack_compact(weight, ops.find_compact_codes, ops.unpack_compact_panels)) is not None:
             return packed
         return ops.pack_panels(weight.detach())
     if not _onednn_available():
