@@ -1,4 +1,5 @@
-"""Decode steps with exact compact weight panels against fp32 panels (cpu_compact_weights), SmolLM2-135M.
+"""Decode steps with exact compact weight panels against fp32 panels (cpu_compact_weights), SmolLM2-135M,
+and against no packed copies (the engine's defaults until 2026-12-05; the defaults now pack compact panels).
 
     .venv/bin/python -m bench.compact_weights
     .venv/bin/python -m bench.compact_weights --batches 1 48 --rounds 5 --workload-rounds 0
@@ -7,10 +8,11 @@ SmolLM2-135M-Instruct comes as a GGUF file whose linears are Q4_1 and whose embe
 head) is Q8_0, so its fp32 weights are exactly codes times fp16 scales. With `cpu_compact_weights`
 the packed copies hold those codes (engine/models/compact_weights.py) and the panel kernel rebuilds
 the fp32 values bit for bit, so both engines compute the same numbers: the last column counts the
-greedy sequences that are equal token for token, and should be all of them. Both engines run in one
-process with `cpu_prepack_weights` (decode-only steps through decode_layers) and an fp32 KV cache;
-they alternate round after round, and each round's decode-only steps at the full batch are timed by
-the engine itself (prefill excluded, as in bench.kv_decode). Medians of the rounds are compared.
+greedy sequences that are equal token for token, and should be all of them. A third engine keeps no
+packed copies (`cpu_prepack_weights: false`: skinny, oneDNN and MKL products on the fp32 weights, layer
+by layer), whose different summation order may move near-ties. The three run in one process with an fp32
+KV cache; they alternate round after round, and each round's decode-only steps at the full batch are
+timed by the engine itself (prefill excluded, as in bench.kv_decode). Medians of the rounds are compared.
 
 Then the whole workload of bench.throughput on each, alternating `--workload-rounds` times. Writes
 bench/results/compact_weights.json and its section of docs/BENCHMARKS.md.
@@ -36,7 +38,10 @@ from bench.report import markdown_table, print_table, publish_table, run_info, w
 from engine import LLM, SamplingParams
 from engine.models.cpu_kernels import cpu_kernels
 
-ARMS = {"fp32 panels": False, "compact panels": True}  # name -> cpu_compact_weights
+# name -> engine options; the first two must compute the same numbers (greedy tokens compared).
+ARMS = {"fp32 panels": {"cpu_prepack_weights": True, "cpu_compact_weights": False},
+        "compact panels": {},  # the defaults: cpu_prepack_weights auto, cpu_compact_weights true
+        "no packed copies": {"cpu_prepack_weights": False}}
 EQUAL_KEY = "requests_equal"
 
 
@@ -46,10 +51,10 @@ def main() -> None:
     block_size = 16
     blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64
     cpu_kernels()  # built or loaded from disk before the engines are timed
-    llms = {name: LLM(model="smollm2", dtype="float32", cpu_prepack_weights=True, cpu_compact_weights=compact,
-                      block_size=block_size, num_kv_blocks=blocks, max_num_seqs=biggest,
-                      max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096)
-            for name, compact in ARMS.items()}
+    llms = {name: LLM(model="smollm2", dtype="float32", block_size=block_size, num_kv_blocks=blocks,
+                      max_num_seqs=biggest, max_model_len=args.context + args.steps + 16, max_num_batched_tokens=4096,
+                      **options)
+            for name, options in ARMS.items()}
     packed = {name: llm.engine.prepacked_bytes for name, llm in llms.items()}
     load_s = {name: llm.engine.prepack_s for name, llm in llms.items()}
     prompts = passages(llms["fp32 panels"], biggest, args.context)
@@ -59,23 +64,24 @@ def main() -> None:
     del llms
     gc.collect()
     data["memory"] = {name: measure_memory(options) for name, options in MEMORY_ARMS.items()}
-    arms = {name: {"cpu_compact_weights": compact} for name, compact in ARMS.items()}
     if args.workload_rounds:
-        data["workload"] = whole_workload(args.workload_rounds, arms, EQUAL_KEY)
+        data["workload"] = whole_workload(args.workload_rounds, ARMS, EQUAL_KEY)
     write_json("compact_weights.json", data)
-    headers = ["batch", "fp32 panels ms/step", "compact ms/step", "compact tok/s", "compact ÷ fp32 speed",
-               "greedy tokens equal"]
+    headers = ["batch", "fp32 panels ms/step", "compact ms/step", "no copies ms/step", "compact tok/s",
+               "compact ÷ fp32 panels speed", "compact ÷ no copies speed", "greedy tokens equal, compact and fp32"]
     rows = []
     for batch, r in data["batches"].items():
         m = r["median_step_s"]
         rows.append((batch, f"{m['fp32 panels'] * 1e3:.1f}", f"{m['compact panels'] * 1e3:.1f}",
-                     f"{batch / m['compact panels']:.0f}", f"{m['fp32 panels'] / m['compact panels']:.2f}×",
-                     f"{r['sequences_equal']}/{batch}"))
+                     f"{m['no packed copies'] * 1e3:.1f}", f"{batch / m['compact panels']:.0f}",
+                     f"{m['fp32 panels'] / m['compact panels']:.2f}×",
+                     f"{m['no packed copies'] / m['compact panels']:.2f}×", f"{r['sequences_equal']}/{batch}"))
     mib = {name: f"{b / 2**20:.0f} MiB" for name, b in packed.items()}
     publish_table(
         "compact_weights", "Decode steps with exact compact weight panels (SmolLM2-135M, fp32 arithmetic, CPU)", data,
-        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache, both engines in one "
-        f"process with cpu_prepack_weights, alternating {args.rounds} rounds; the median of each round's "
+        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache, three engines in one "
+        "process (fp32 panels and compact panels, whose decode-only steps go through decode_layers, and no packed "
+        f"copies), alternating {args.rounds} rounds; the median of each round's "
         "decode-only steps at the full batch, then the median over rounds. Packed weight copies: "
         f"{mib['fp32 panels']} as fp32 panels, {mib['compact panels']} as compact panels (Q4_1 linears in 4-bit "
         "codes with fp16 scales and offsets, the Q8_0 embedding / LM head in 8-bit codes), packed at engine start "
@@ -88,11 +94,12 @@ def main() -> None:
 
 # Engine settings whose memory is measured, each in a fresh process.
 MEMORY_ARMS = {
-    "defaults (fp32 weights, no packed copies)": {},
-    "fp32 panels (cpu_prepack_weights)": {"cpu_prepack_weights": True, "cpu_compact_weights": False},
-    "compact panels (+ cpu_compact_weights, the default)": {"cpu_prepack_weights": True},
-    "compact panels, fp32 copies freed (+ cpu_free_plain_weights)": {"cpu_prepack_weights": True,
-                                                                     "cpu_free_plain_weights": True},
+    "fp32 weights, no packed copies (cpu_prepack_weights false, the defaults until 2026-12-05)":
+        {"cpu_prepack_weights": False},
+    "fp32 panels (cpu_prepack_weights true, cpu_compact_weights false)": {"cpu_prepack_weights": True,
+                                                                         "cpu_compact_weights": False},
+    "compact panels (the defaults: cpu_prepack_weights auto, cpu_compact_weights true)": {},
+    "compact panels, fp32 copies freed (+ cpu_free_plain_weights)": {"cpu_free_plain_weights": True},
 }
 
 

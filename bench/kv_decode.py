@@ -166,8 +166,9 @@ def main() -> None:
 
 
 def whole_workload(rounds: int, arms: dict[str, dict] | None = None, equal_key: str = "int8_requests_equal_fp32") -> dict:
-    """bench.throughput's workload on each arm (name -> LLM options; default: the two caches), alternating; per
-    round the wall time and its split. `equal_key`: how many requests' greedy tokens the first two arms share."""
+    """bench.throughput's workload on each arm (name -> LLM options, over cpu_prepack_weights true; default: the two
+    caches), alternating; per round the wall time and its split. `equal_key`: how many requests' greedy tokens the
+    first two arms share."""
     arms = arms if arms is not None else {name: {"cache_bits": bits, "cpu_compact_weights": False}
                                           for name, bits in ARMS.items()}
     s = Settings()
@@ -181,7 +182,7 @@ def whole_workload(rounds: int, arms: dict[str, dict] | None = None, equal_key: 
         for _ in range(rounds):
             for name, options in arms.items():
                 llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
-                          cpu_prepack_weights=True, **options,
+                          **{"cpu_prepack_weights": True, **options},
                           kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc))
                 ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
                 llm.generate([ids[:16], ids[16:40]], [greedy(8), greedy(4)])

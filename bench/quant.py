@@ -53,6 +53,9 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 PLOT = REPO / "docs" / "quant_ppl_vs_bytes.png"
 KV_BUDGET = 1 << 30  # bytes of KV pool for the concurrency column
 SEQ_TOKENS = 1024  # tokens each concurrent sequence holds
+# No packed weight copies (the engine's defaults until 2026-12-05): the tables compare weight and cache formats,
+# and only fp32 weights would get compact panels.
+PLAIN = {"cpu_prepack_weights": False}
 INT8_TIMING_RUNS = 3
 # The pitfall test's prompts, plus one the model fumbles.
 COPY_PROMPTS = [*TEST_COPY_PROMPTS,
@@ -126,7 +129,7 @@ def measure_settings(folder, mc, ids, made, ctx, stride) -> list[dict]:
     rows = []
     for name, path, dtype, cache_bits in settings:
         llm = LLM(str(path), dtype=dtype, cache_bits=cache_bits, max_model_len=ctx + 1,
-                  max_num_batched_tokens=max(2048, ctx + 1), enable_prefix_caching=False)
+                  max_num_batched_tokens=max(2048, ctx + 1), enable_prefix_caching=False, **PLAIN)
         t = time.perf_counter()
         ppl = perplexity(llm, ids, ctx, stride).perplexity
         ppl_s = time.perf_counter() - t
@@ -143,7 +146,7 @@ def window_rows(folder, ids, ctx, stride) -> list[dict]:
     out = []
     for window in (0, 16, 64, 256):
         llm = LLM(str(folder), dtype="float32", cache_bits=8, kv_fp_window=window, max_model_len=ctx + 1,
-                  max_num_batched_tokens=max(2048, ctx + 1), enable_prefix_caching=False, max_num_seqs=16)
+                  max_num_batched_tokens=max(2048, ctx + 1), enable_prefix_caching=False, max_num_seqs=16, **PLAIN)
         out.append({"window": window, "ppl": perplexity(llm, ids, ctx, stride).perplexity,
                     "ring_bytes": llm.engine.layout.window_bytes})
         console.print(f"window {window}: {out[-1]['ppl']:.4f}")
@@ -155,7 +158,7 @@ def pitfall_rows(folder, made) -> dict[str, list[list[str]]]:
     for name, path in (("fp32", folder), ("int8 calibrated", made["int8"]["path"]),
                        ("int8 RTN", made["int8 RTN"]["path"]), ("int8 per-tensor", made["int8 per-tensor"]["path"]),
                        ("int4 calibrated", made["int4"]["path"])):
-        llm = LLM(str(path), dtype="float32")
+        llm = LLM(str(path), dtype="float32", **PLAIN)
         tok = llm.tokenizer
         prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                    for p in COPY_PROMPTS]
@@ -232,7 +235,7 @@ def offload_rows(folder: Path) -> dict:
     """Embedding offload on the CPU: the table is in host memory either way."""
     out = {}
     for off in (False, True):
-        llm = LLM(str(folder), dtype="float32", embedding_offload=off)
+        llm = LLM(str(folder), dtype="float32", embedding_offload=off, **PLAIN)
         model = llm.engine.model
         table = model.embed_tokens.inner if off and hasattr(model.embed_tokens, "inner") else model.embed_tokens
         ids = torch.randint(0, 49152, (512,))

@@ -53,9 +53,11 @@ class EngineConfig:
     # for untied embeddings; on the CPU the bytes are the same).
     embedding_offload: bool = False
     # fp32 on the CPU: keep a packed copy of each linear weight for batches of up to 256 rows (the
-    # panel kernel's layout on AVX-512 CPUs, else oneDNN's; engine/models/linear.py): faster decode
-    # for a second copy of those weights in memory.
-    cpu_prepack_weights: bool = False
+    # panel kernel's layout on AVX-512 CPUs, else oneDNN's; engine/models/linear.py): faster decode.
+    # true: every such weight, a second copy of the linear weights in memory where they are not
+    # compact (below); "auto": only the weights whose copy is compact, 16-27% of their fp32 bytes
+    # (nothing for a model with arbitrary fp32 weights, or off AVX-512 CPUs); false: none.
+    cpu_prepack_weights: bool | str = "auto"
     # With cpu_prepack_weights: a weight whose fp32 values are exactly integer codes times fp16 scales
     # (a GGUF Q4_0/Q4_1/Q8_0 import) is packed as those codes, and the kernel rebuilds the same values
     # bit for bit (engine/models/compact_weights.py): 16-27% of the bytes, the same outputs.
@@ -89,6 +91,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise InvalidRequestError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not (self.cpu_prepack_weights is True or self.cpu_prepack_weights is False
+                or self.cpu_prepack_weights == "auto"):
+            raise InvalidRequestError(f"cpu_prepack_weights must be true, false or 'auto', got {self.cpu_prepack_weights!r}")
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
         for name in positive:
             if getattr(self, name) < 1:

@@ -152,8 +152,9 @@ class MemoryConfig(_Section):
     embedding_offload: bool = False
     # Prefills longer than this many tokens run the MLP in chunks through a preallocated workspace.
     activation_chunk_rows: NonNegativeInt = 512
-    # fp32 on the CPU: a packed copy of each linear weight (panel kernel or oneDNN), for faster decode batches.
-    cpu_prepack_weights: bool = False
+    # fp32 on the CPU: a packed copy of each linear weight (panel kernel or oneDNN), for faster decode batches;
+    # "auto": only where the copy is compact (below), a fraction of the weights' bytes; true: every weight.
+    cpu_prepack_weights: bool | Literal["auto"] = "auto"
     # With cpu_prepack_weights: weights that are exactly codes times fp16 scales (GGUF Q4_0/Q4_1/Q8_0
     # imports) packed as those codes; the same values bit for bit, a sixth to a quarter of the bytes.
     cpu_compact_weights: bool = True
@@ -476,6 +477,20 @@ def _base(hint: Any) -> tuple[Any, tuple[Any, ...], bool]:
     return hint, (), optional
 
 
+def _choices(hint: Any) -> list[str]:
+    """The values a field takes by name, as YAML spells them: its Literal's, and true and false where it
+    also takes a bool (`bool | Literal["auto"]`)."""
+    members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    out: list[str] = []
+    for member in members:
+        member = get_args(member)[0] if get_origin(member) is Annotated else member
+        if member is bool:
+            out = ["true", "false", *out]
+        elif get_origin(member) is Literal:
+            out += [repr(a) for a in get_args(member)]
+    return out
+
+
 def _unit(hint: Any) -> str | None:
     for meta in _base(hint)[1]:
         if isinstance(meta, msgspec.Meta) and meta.extra:
@@ -654,8 +669,8 @@ def _describe(message: str, sources: _Sources) -> str:
         keys = path.split(".")[:2]
         what = own[2]
     elif what.startswith("Invalid enum value") and len(keys) == 2:
-        choices = get_args(_base(_fields(_SECTIONS[keys[0]]).get(keys[1]))[0])
-        what = f"expected one of {', '.join(map(repr, choices))}; got {what.removeprefix('Invalid enum value ')}"
+        choices = _choices(_fields(_SECTIONS[keys[0]]).get(keys[1]))
+        what = f"expected one of {', '.join(choices)}; got {what.removeprefix('Invalid enum value ')}"
     else:
         what = what[:1].lower() + what[1:]
     return f"{sources.of(keys)}: {path or '(top level)'}: {what}"

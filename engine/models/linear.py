@@ -29,6 +29,8 @@ weight's fp32 values are exactly integer codes times fp16 scales (a GGUF
 Q4_0/Q4_1/Q8_0 import), the copy holds the codes instead (engine option
 `cpu_compact_weights`, engine/models/compact_weights.py): a sixth to a quarter
 of the bytes, the same values and results bit for bit (bench/compact_weights.py).
+The engine's default, `cpu_prepack_weights: auto`, keeps only such compact
+copies (`prepack(..., only_compact=True)`), never a second fp32 copy.
 
 Batch-invariant mode (deterministic requests) routes every linear to a kernel
 whose per-row arithmetic does not depend on the number of rows, at a
@@ -106,21 +108,21 @@ def is_panel_packed(packed: torch.Tensor | None) -> bool:
     return packed is not None and packed.dim() == 3
 
 
-def prepack(weight: torch.Tensor, compact: bool = True) -> torch.Tensor | None:
+def prepack(weight: torch.Tensor, compact: bool = True, only_compact: bool = False) -> torch.Tensor | None:
     """`weight` packed for `linear(..., packed=)`: in panels for the panel kernel on AVX-512 CPUs,
     else in oneDNN's blocked layout; None where neither path runs.
 
     With `compact`, a weight whose fp32 values are exactly integer codes times fp16 scales (a GGUF
     Q4_0/Q4_1/Q8_0 import) gets compact panels instead (engine/models/compact_weights.py): the same
-    values, bit for bit, in 16-27% of the bytes."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    values, bit for bit, in 16-27% of the bytes. With `only_compact`, any other weight gets None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or (only_compact and not compact):
         return None
     if _panel_kernel():
         ops = cpu_kernels()
         if compact and (packed := pack_compact(weight, ops.find_compact_codes, ops.unpack_compact_panels)) is not None:
             return packed
-        return ops.pack_panels(weight.detach())
-    if not _onednn_available():
+        return None if only_compact else ops.pack_panels(weight.detach())
+    if only_compact or not _onednn_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
 
@@ -202,14 +204,15 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, out, self.packed)
 
 
-def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = False) -> int:
+def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = False,
+                    only_compact: bool = False) -> int:
     """Give every fp32 CPU `Linear` in `model` its packed weight (`prepack`); returns the bytes added.
 
-    `free_plain`: a weight whose packed copy is compact is then freed (`free_plain_weight`); the model's
+    `only_compact`: only the weights that get compact panels; `free_plain`: a weight whose packed copy is compact is then freed (`free_plain_weight`); the model's
     parameters then count only what stays (engine.quant.modules.weight_bytes skips freed ones)."""
     added, freed = 0, False
     for module in model.modules():
-        if isinstance(module, Linear) and (packed := prepack(module.weight, compact)) is not None:
+        if isinstance(module, Linear) and (packed := prepack(module.weight, compact, only_compact)) is not None:
             module.packed = packed
             added += packed_bytes(packed, module.weight)
             if free_plain:

@@ -292,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
 
         self._fused_decode = None
         first = self.layers[0]
-        if (self.norm.weight.device.type != "cpu" or self.embed_tokens.weight.dtype != torch.float32
+        if (self.norm.weight.device.type != "cpu" or self.norm.weight.dtype != torch.float32
                 or self.rope.cos.dtype != torch.float32 or cpu_kernels() is None
                 or type(first.self_attn.backend) not in (CpuPagedAttentionBackend, CpuPagedInt8AttentionBackend)):
             return False
@@ -319,13 +319,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.mlp.workspace = workspace
 
-    def prepack_weights(self, compact: bool = True, free_plain: bool = False) -> int:
+    def prepack_weights(self, compact: bool = True, free_plain: bool = False, only_compact: bool = False) -> int:
         """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added.
         `compact`: exact compact panels where a weight allows them (engine/models/compact_weights.py);
-        `free_plain`: then free the fp32 weights that those panels hold, the tied embedding table included
-        (token lookups rebuild their rows: Embedding.forward)."""
-        added = prepack_linears(self, compact, free_plain)
-        if self.lm_head is None and (packed := prepack(self.embed_tokens.weight, compact)) is not None:
+        `only_compact`: no copy for the other weights; `free_plain`: then free the fp32 weights that compact
+        panels hold, the tied embedding table included (token lookups rebuild their rows: Embedding.forward)."""
+        added = prepack_linears(self, compact, free_plain, only_compact)
+        # A tied LM head with plain weights (a quantized table has its own kernels).
+        if (self.lm_head is None and type(self.embed_tokens) is Embedding
+                and (packed := prepack(self.embed_tokens.weight, compact, only_compact)) is not None):
             self.embed_tokens.packed_head = packed
             added += packed_bytes(packed, self.embed_tokens.weight)
             if free_plain and free_plain_weight(self.embed_tokens, packed):

@@ -286,9 +286,11 @@ def redis_outage(site: Site, *, requests: int = 300, workers: int = 2, down_s: f
 
 def long_generations(site: Site, *, model: str, concurrent: int = 4, max_tokens: int = 200, workers: int = 2,
                      max_poll_interval_ms: int = 6000, timeout_s: float = 600) -> Outcome:
-    """Generations that outlast max_poll_interval_ms: no rebalance, no duplicate."""
+    """Generations that outlast max_poll_interval_ms: no rebalance, no duplicate. The workers' engines keep no
+    packed weight copies (their slower decode path), so that the generations last long enough to prove it."""
     slow = Site(site.stack, site.redis_url, model, site.workdir)
-    fleet = Fleet(slow, slow.topics("long"), sections={"kafka": {"max_poll_interval_ms": max_poll_interval_ms}})
+    fleet = Fleet(slow, slow.topics("long"), sections={"kafka": {"max_poll_interval_ms": max_poll_interval_ms},
+                                                       "memory": {"cpu_prepack_weights": False}})
     try:
         _start_group(fleet, workers)
         time.sleep(3)  # let the joins settle, so the counts below start from a stable group

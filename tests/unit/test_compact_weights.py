@@ -136,6 +136,63 @@ def test_engine_with_compact_panels_equals_fp32_panels_bitwise(tmp_path, cache_b
     assert packed[True] < 0.3 * packed[False]
 
 
+def test_auto_packs_only_the_weights_that_compact_panels_hold(tmp_path, decode_layers_calls):
+    """cpu_prepack_weights "auto" (the default): compact panels where a weight is codes times fp16 scales,
+    no copy at all for any other weight, so a model with arbitrary fp32 weights costs no extra memory; a GGUF
+    import gets the same panels, and bitwise the same outputs, as with cpu_prepack_weights true."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 40))] for _ in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    options = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 256, "max_num_batched_tokens": 64}
+
+    plain = write_tiny_model(tmp_path / "plain", "llama", seed=7, hidden_size=128, intermediate_size=256, tie=True)
+    llm = LLM(model=str(plain), **options)
+    model = llm.engine.model
+    assert llm.engine.config.cpu_prepack_weights == "auto"
+    assert llm.engine.prepacked_bytes == 0
+    assert all(m.packed is None for m in model.modules() if isinstance(m, lin.Linear))
+    assert model.embed_tokens.packed_head is None and model._fused_decode is None
+
+    gguf = write_tiny_model(tmp_path / "gguf", "llama", seed=7, hidden_size=128, intermediate_size=256, tie=True)
+    quantize_model_weights(gguf, "Q4_1")
+    runs = {}
+    for prepack in ("auto", True):
+        llm = LLM(model=str(gguf), cpu_prepack_weights=prepack, **options)
+        model = llm.engine.model
+        assert all(cw.is_compact(m.packed) for m in model.modules() if isinstance(m, lin.Linear))
+        assert cw.is_compact(model.embed_tokens.packed_head) and model._fused_decode is not None
+        runs[prepack] = llm.engine.prepacked_bytes, llm.generate(prompts, params)
+    assert decode_layers_calls
+    assert runs["auto"][0] == runs[True][0] > 0
+    for a, b in zip(runs["auto"][1], runs[True][1], strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+    # Without compact panels, "auto" packs nothing; true packs fp32 panels.
+    assert LLM(model=str(gguf), cpu_compact_weights=False, **options).engine.prepacked_bytes == 0
+    assert LLM(model=str(plain), cpu_prepack_weights=True, **options).engine.prepacked_bytes > 0
+
+
+@pytest.mark.parametrize("prepack", ["auto", True])
+def test_packing_options_leave_a_quantized_model_alone(tmp_path, prepack):
+    """Weights quantized at load time (int8 linears and an int8 tied table) have their own kernels: the packing
+    options give them no copies, and the model runs (it used to fail looking for the table's fp32 weight)."""
+    path = write_tiny_model(tmp_path / "m", "llama", seed=8, hidden_size=128, intermediate_size=256, tie=True)
+    llm = LLM(model=str(path), dtype="float32", weight_bits=8, block_size=8, num_kv_blocks=64,
+              cpu_prepack_weights=prepack)
+    assert llm.engine.prepacked_bytes == 0 and llm.engine.model._fused_decode is None
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_cpu_prepack_weights_rejects_other_values(value):
+    from engine.config import EngineConfig
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="cpu_prepack_weights must be true, false or 'auto'"):
+        EngineConfig(cpu_prepack_weights=value)
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_freed_plain_weights_are_rebuilt_where_a_path_needs_them(tmp_path, tie):
     """cpu_free_plain_weights: the fp32 weights that compact panels hold are freed (a tied embedding table too:

@@ -180,6 +180,8 @@ def test_unknown_section_in_file(tmp_path):
         ("memory:\n  max_cache_ratio: 1.5\n", "memory.max_cache_ratio: expected `float` <= 1.0"),
         ("memory:\n  block_size: 12\n", "memory.block_size: must be a power of two"),
         ("memory:\n  kv_cache_policy: fifo\n", "memory.kv_cache_policy: expected one of 'lru'"),
+        ("memory:\n  cpu_prepack_weights: sometimes\n",
+         "memory.cpu_prepack_weights: expected one of true, false, 'auto'; got 'sometimes'"),
         ("model:\n  device: tpu\n", "model.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N'"),
         ("kafka:\n  heartbeat_interval_ms: 4000\n", "kafka.heartbeat_interval_ms: must be below session_timeout_ms / 3"),
         ("kafka:\n  flush_interval_ms: 70000\n", "kafka.flush_interval_ms: must be below transaction_timeout_ms"),
@@ -353,6 +355,11 @@ def test_engine_config_mapping(tmp_path):
         max_cache_ratio=0.5, kv_cache_policy="lru", weight_bits=8, cache_bits=8, num_threads=4,
         cuda_graphs=False, async_scheduling=True,
     )
+    for value in (True, False, "auto"):  # a bool or the string auto, as YAML and environment variables give them
+        text = f"memory: {{cpu_prepack_weights: {str(value).lower()}}}\n"
+        assert load_config(write(tmp_path, text), env={}).engine_config().cpu_prepack_weights == value
+        env = {"INFINILM__MEMORY__CPU_PREPACK_WEIGHTS": str(value).lower()}
+        assert load_config(None, env=env).engine_config().cpu_prepack_weights == value
 
 
 def test_worker_id_is_derived_not_stored():
