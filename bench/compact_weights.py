@@ -122,7 +122,7 @@ def _memory_child(options: dict, results) -> None:
 
 
 def measure_memory(options: dict) -> dict:
-    """In a fresh process: the weight bytes the engine holds (what its KV budget subtracts) and how much the
+    """In a fresh process: the weight bytes the engine holds (engine.weight_bytes) and how much the
     process's resident memory grew from before the engine was built to after a first request (16 MiB of KV)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

@@ -115,7 +115,7 @@ def decode_rate(llm: LLM, prompt: list[int], batch: int = 8, tokens: int = 48) -
 
 def concurrency(mc: ModelConfig, dtype: torch.dtype, cache_bits: int) -> tuple[int, float]:
     cfg = EngineConfig(kv_cache_memory_bytes=KV_BUDGET, cache_bits=cache_bits)
-    layout = plan_cache_layout(cfg, mc, torch.device("cpu"), dtype, 0)
+    layout = plan_cache_layout(cfg, mc, torch.device("cpu"), dtype)
     return layout.num_blocks // (SEQ_TOKENS // cfg.block_size), layout.bytes_per_block / cfg.block_size
 
 

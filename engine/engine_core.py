@@ -102,8 +102,7 @@ class EngineCore:
             self.model.use_workspace(ActivationWorkspace(config.activation_chunk_rows, mc.hidden_size,
                                                          mc.intermediate_size, self.dtype, self.device))
         self.weight_bytes = weight_bytes(self.model)
-        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype,
-                                                     self.weight_bytes + self.prepacked_bytes)
+        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype)
         self.max_model_len = self.layout.max_model_len
         self.kv_caches = allocate_kv_caches(self.layout, mc)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -31,8 +31,10 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype,
-                      weight_bytes: int) -> CacheLayout:
+def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.device, dtype: torch.dtype) -> CacheLayout:
+    """The KV pool for `cfg`: num_kv_blocks, else kv_cache_memory_bytes, else max_cache_ratio of the device's memory
+    (on the CPU, of cpu_memory_bytes, else of host RAM capped at cpu_kv_cache_cap_bytes). The budget is the pool's
+    own: the weights and any packed copies of them are not subtracted from it."""
     per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.cache_bits)
     ring_bytes = window_bytes(model, cfg.kv_fp_window, cfg.max_num_seqs, dtype)
     if cfg.num_kv_blocks is not None:

@@ -119,7 +119,7 @@ def prepack(weight: torch.Tensor, compact: bool = True, only_compact: bool = Fal
         return None
     if _panel_kernel():
         ops = cpu_kernels()
-        if compact and (packed := pack_compact(weight, ops.find_compact_codes, ops.unpack_compact_panels)) is not None:
+        if compact and (packed := pack_compact(weight, ops.pack_compact_panels, ops.compact_panels_match)) is not None:
             return packed
         return None if only_compact else ops.pack_panels(weight.detach())
     if only_compact or not _onednn_available():

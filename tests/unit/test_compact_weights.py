@@ -46,7 +46,7 @@ def test_gguf_weights_pack_compactly_and_compute_bitwise_as_fp32_panels(kind, n,
     w = gguf_roundtrip((rng.standard_normal((n, k)) * 0.05).astype(np.float32), kind)
     if kind == "Q4_0":
         assert bool((bits(w) == -(2**31)).any()), "Q4_0 with negative scales gives -0.0 values: the test needs some"
-    packed = cw.pack_compact(w, ops.find_compact_codes, ops.unpack_compact_panels)
+    packed = cw.pack_compact(w, ops.pack_compact_panels, ops.compact_panels_match)
     assert packed is not None and packed.dtype == torch.uint8
     assert tuple(packed.shape) == (-(-n // 32), k // 32, BLOCK[kind])
     assert torch.equal(bits(ops.unpack_compact_panels(packed, n)), bits(w))
@@ -72,12 +72,21 @@ def test_weights_that_are_not_exact_codes_keep_fp32_panels(caplog):
     with_nan[3, 3] = float("nan")
     q50 = gguf_roundtrip((rng.standard_normal((64, 256)) * 0.05).astype(np.float32), "Q5_0")
     for weight in (torch.randn(200, 576), nudged, with_nan, q50, torch.randn(64, 100), q41.to(torch.float64)):
-        assert cw.pack_compact(weight, ops.find_compact_codes, ops.unpack_compact_panels) is None
-    # The packer trusts only the kernel's own rebuild: one that disagrees keeps fp32, with a warning.
+        assert cw.pack_compact(weight, ops.pack_compact_panels, ops.compact_panels_match) is None
+    # The packer trusts only the kernel's own rebuild: panels that it does not rebuild into the weight keep fp32,
+    # with a warning. Here the packing step hands back panels with one code changed.
+    def tampered(weight):
+        packed = ops.pack_compact_panels(weight).clone()
+        packed[1, 3, 200] ^= 1  # a 4-bit code of block (panel 1, group 3)
+        return packed
+
+    assert not ops.compact_panels_match(tampered(q41), q41)
     with caplog.at_level(logging.WARNING, logger=cw.__name__):
-        assert cw.pack_compact(q41, ops.find_compact_codes, lambda packed, n: ops.unpack_compact_panels(packed, n) * 1.0000001) is None
+        assert cw.pack_compact(q41, tampered, ops.compact_panels_match) is None
     assert "did not rebuild bit for bit" in caplog.text
-    assert cw.pack_compact(q41, ops.find_compact_codes, ops.unpack_compact_panels) is not None
+    assert cw.pack_compact(q41, ops.pack_compact_panels, ops.compact_panels_match) is not None
+    # The check compares every value: a weight one ulp away from what the panels hold does not match.
+    assert not ops.compact_panels_match(ops.pack_compact_panels(q41), nudged)
 
 
 def test_prepack_picks_compact_panels_only_where_asked():
@@ -238,7 +247,7 @@ def test_compact_rows_rebuild_embedding_rows_bit_for_bit():
     rng = np.random.default_rng(3)
     for kind in ("Q8_0", "Q4_1"):
         table = gguf_roundtrip((rng.standard_normal((70, 96)) * 0.05).astype(np.float32), kind)
-        packed = cw.pack_compact(table, ops.find_compact_codes, ops.unpack_compact_panels)
+        packed = cw.pack_compact(table, ops.pack_compact_panels, ops.compact_panels_match)
         ids = torch.tensor([[0, 69, 31], [32, 5, 5]])
         assert torch.equal(bits(ops.compact_rows(packed, ids, 70)), bits(table[ids.view(-1)]))
         with pytest.raises(RuntimeError, match="row 70 outside"):

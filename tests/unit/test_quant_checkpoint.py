@@ -99,7 +99,7 @@ def test_max_cache_ratio_bounds_the_pool_and_int8_fits_more_blocks():
     layouts = {}
     for bits in (16, 8):
         cfg = EngineConfig(cpu_memory_bytes=budget, max_cache_ratio=0.25, cache_bits=bits, block_size=16)
-        layout = plan_cache_layout(cfg, mc, torch.device("cpu"), torch.bfloat16, 0)
+        layout = plan_cache_layout(cfg, mc, torch.device("cpu"), torch.bfloat16)
         assert layout.num_blocks * layout.bytes_per_block <= budget * 0.25
         assert layout.bytes_per_block == bytes_per_block(mc, 16, torch.bfloat16, bits)
         layouts[bits] = layout
@@ -107,7 +107,7 @@ def test_max_cache_ratio_bounds_the_pool_and_int8_fits_more_blocks():
     assert layouts[8].num_blocks >= 1.9 * layouts[16].num_blocks
     with pytest.raises(Exception, match="KV budget"):
         plan_cache_layout(EngineConfig(cpu_memory_bytes=1 << 16, max_cache_ratio=0.5), mc, torch.device("cpu"),
-                          torch.float32, 0)
+                          torch.float32)
 
 
 def test_worker_config_maps_quantization_and_memory_keys(tmp_path):

@@ -1,20 +1,23 @@
-// The search behind compact panels (engine/models/compact_weights.py): per run of 32 inputs of an fp32
-// weight, an fp16 scale (and for Q4_1 an fp16 offset) and integer codes that rebuild every value bit for
-// bit, as gguf's dequantize computed them (a group with NaN or infinities has none):
+// Packing compact panels (engine/models/compact_weights.py; the layout is panel_gemm.cpp's): per run of 32
+// inputs of an fp32 weight, an fp16 scale (and for Q4_1 an fp16 offset) and integer codes that rebuild every
+// value bit for bit, as gguf's dequantize computed them (a group with NaN or infinities has none):
 //   affine4 (Q4_1):        fl(fl(code * scale) + offset), code in [0, 15], offset = the group's minimum;
 //   sym8    (Q8_0, Q4_0):  fl(code * scale),              code in [-127, 127], scale may be negative.
 // The scale is searched among the fp16 values next to an estimate ((max - min) / 15 for affine4; the largest
 // magnitude over 127, 8 or 7 for sym8), in a fixed order, and a group takes the first that fits. One pass per
-// group, threads over rows; the first group without a fit ends the search for that form, so a weight with
-// arbitrary values costs about one group. The packer still checks the panels it builds from these codes by
-// rebuilding the weight with the kernel itself (unpack_compact_panels), so this search cannot make a panel
-// wrong, only fail to find one.
+// group, written straight into the panels, threads over panels; the first group without a fit ends the search
+// for that form, so a weight with arbitrary values costs about one group per thread. The packer then rebuilds
+// the panels with the kernel's own code (rebuild_panel) and compares them bit for bit with the weight
+// (compact_panels_match), so the search cannot make a panel wrong, only fail to find one. Nothing weight-sized is allocated besides the panels:
+// on a VM where fresh memory is slow to fault in, packing SmolLM2 took 0.8-6 s through torch tensors.
 
+#if defined(__AVX512F__)
 #include <cstring>
 
 namespace compact_codes {
 
-constexpr int64_t kGroup = 32;
+using panel_gemm::kCols;
+using panel_gemm::kGroup;
 constexpr int kSteps[5] = {0, -1, 1, -2, 2};  // fp16 ulps from the estimate, tried in this order
 
 static inline float to_fp16(float x) { return static_cast<float>(c10::Half(x)); }
@@ -96,41 +99,104 @@ static bool sym8_group(const float* x, float* scale, int16_t* codes) {
   return false;
 }
 
-}  // namespace compact_codes
-
-// (kind, scales [N, K/32], offsets [N, K/32] (affine4) or empty, codes int16 [N, K/32, 32]) for an fp32 weight
-// [N, K]: kind 1 = affine4, 2 = sym8, 0 = neither form rebuilds every value (the tensors are then empty).
-std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor> find_compact_codes(torch::Tensor weight) {
-  using namespace compact_codes;
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.device().is_cpu(),
-              "find_compact_codes: weight must be a 2-D fp32 CPU tensor, got ", weight.sizes(), " ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.size(1) % kGroup == 0, "find_compact_codes: in_features (", weight.size(1),
-              ") must be a multiple of ", kGroup);
-  const auto w = weight.contiguous();
-  const int64_t N = w.size(0), G = w.size(1) / kGroup;
-  const float* x = w.data_ptr<float>();
-  auto scales = torch::empty({N, G}, torch::kFloat);
-  auto offsets = torch::empty({N, G}, torch::kFloat);
-  auto codes = torch::empty({N, G, kGroup}, torch::kShort);
-  float* sp = scales.data_ptr<float>();
-  float* op = offsets.data_ptr<float>();
-  int16_t* cp = codes.data_ptr<int16_t>();
-  for (int64_t kind = 1; kind <= 2 && N > 0; ++kind) {
-    std::atomic<bool> failed{false};
-    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1 && !failed.load(std::memory_order_relaxed); ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t i = r * G + g;
-          const bool ok = kind == 1 ? affine4_group(x + i * kGroup, sp + i, op + i, cp + i * kGroup)
-                                    : sym8_group(x + i * kGroup, sp + i, cp + i * kGroup);
-          if (!ok) {
+// Packs one kind into `out` ([P, G, block], the layout panel_gemm.cpp's rebuild_panel reads), panel by panel so
+// that no two threads write one block (a 4-bit code byte holds columns j and j + 16); false at the first group
+// without a fit. Padding columns past N keep zero scales, offsets and codes.
+template <bool kAffine>
+static bool pack_kind(const float* w, int64_t N, int64_t G, uint8_t* out) {
+  constexpr int64_t block = kAffine ? panel_gemm::kAffine4Block : panel_gemm::kSym8Block;
+  const int64_t P = (N + kCols - 1) / kCols, K = G * kGroup;
+  std::atomic<bool> failed{false};
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    int16_t codes[kGroup];
+    for (int64_t p = p0; p < p1 && !failed.load(std::memory_order_relaxed); ++p)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* blk = out + (p * G + g) * block;
+        std::memset(blk, 0, block);
+        for (int64_t c = 0; c < kCols && p * kCols + c < N; ++c) {
+          const float* x = w + (p * kCols + c) * K + g * kGroup;
+          float scale = 0.f, offset = 0.f;
+          if (!(kAffine ? affine4_group(x, &scale, &offset, codes) : sym8_group(x, &scale, codes))) {
             failed.store(true, std::memory_order_relaxed);
             return;
           }
+          const uint16_t sh = c10::Half(scale).x;
+          std::memcpy(blk + 2 * c, &sh, 2);
+          if constexpr (kAffine) {
+            const uint16_t oh = c10::Half(offset).x;
+            std::memcpy(blk + 64 + 2 * c, &oh, 2);
+            uint8_t* body = blk + 128;  // per step 16 bytes: column j low nibble, column j + 16 high
+            for (int64_t k = 0; k < kGroup; ++k)
+              body[16 * k + (c & 15)] |= static_cast<uint8_t>(codes[k] << (c >= 16 ? 4 : 0));
+          } else {
+            int8_t* body = reinterpret_cast<int8_t*>(blk + 64);  // per step 32 int8 codes, one per column
+            for (int64_t k = 0; k < kGroup; ++k) body[kCols * k + c] = static_cast<int8_t>(codes[k]);
+          }
         }
-    });
-    if (!failed.load()) return {kind, scales, kind == 1 ? offsets : torch::empty({0}), codes};
-  }
-  return {0, torch::empty({0}), torch::empty({0}), torch::empty({0})};
+      }
+  });
+  return !failed.load();
 }
+
+}  // namespace compact_codes
+
+// Whether compact panels `packed` ([P, K / 32, block], uint8) rebuild `weight` ([N, K] fp32) bit for bit, each panel
+// rebuilt by the kernel's own rebuild_panel into a small scratch (nothing weight-sized is allocated).
+bool compact_panels_match(torch::Tensor packed, torch::Tensor weight) {
+  using namespace panel_gemm;
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.is_contiguous(),
+              "compact_panels_match: weight must be a contiguous 2-D fp32 tensor");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t block = checked_compact(packed, N, "compact_panels_match");
+  TORCH_CHECK(packed.size(1) * kGroup == K, "compact_panels_match: ", packed.size(1), " groups do not cover ", K,
+              " inputs");
+  const int64_t P = packed.size(0), G = packed.size(1);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const uint32_t* wb = reinterpret_cast<const uint32_t*>(weight.data_ptr<float>());
+  std::atomic<bool> equal{true};
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float* panel = panel_scratch(K * kCols);
+    for (int64_t p = p0; p < p1 && equal.load(std::memory_order_relaxed); ++p) {
+      rebuild_panel(src + p * G * block, G, block, panel);
+      const uint32_t* pb = reinterpret_cast<const uint32_t*>(panel);
+      for (int64_t c = 0; c < kCols && p * kCols + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k)
+          if (pb[k * kCols + c] != wb[(p * kCols + c) * K + k]) {
+            equal.store(false, std::memory_order_relaxed);
+            return;
+          }
+    }
+  });
+  return equal.load();
+}
+
+// `weight` ([N, K] fp32, K a multiple of 32) as compact panels for panel_linear: affine4 where every group fits
+// that form, else sym8, else an empty tensor. The caller checks them with compact_panels_match before use.
+torch::Tensor pack_compact_panels(torch::Tensor weight) {
+  using namespace compact_codes;
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.device().is_cpu(),
+              "pack_compact_panels: weight must be a 2-D fp32 CPU tensor, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.size(1) % kGroup == 0, "pack_compact_panels: in_features (", weight.size(1),
+              ") must be a multiple of ", kGroup);
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), G = w.size(1) / kGroup, P = (N + kCols - 1) / kCols;
+  if (N == 0 || G == 0) return torch::empty({0}, torch::kByte);
+  for (const bool affine : {true, false}) {
+    auto out = torch::empty({P, G, affine ? panel_gemm::kAffine4Block : panel_gemm::kSym8Block}, torch::kByte);
+    const bool packed = affine ? pack_kind<true>(w.data_ptr<float>(), N, G, out.data_ptr<uint8_t>())
+                               : pack_kind<false>(w.data_ptr<float>(), N, G, out.data_ptr<uint8_t>());
+    if (packed) return out;
+  }
+  return torch::empty({0}, torch::kByte);
+}
+#else
+bool compact_panels_match(torch::Tensor packed, torch::Tensor weight) {
+  TORCH_CHECK(false, "compact panels need AVX-512");
+  return false;
+}
+torch::Tensor pack_compact_panels(torch::Tensor weight) {
+  TORCH_CHECK(false, "compact panels need AVX-512");
+  return weight;
+}
+#endif
