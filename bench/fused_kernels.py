@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.fused_kernels
     .venv/bin/python -m bench.fused_kernels --rounds 6 --batch 32
 
-One SmolLM2-135M fp32 engine (engine defaults) runs single-stream decode, decode at a fixed batch
+One SmolLM2-135M fp32 engine without packed weight copies (cpu_prepack_weights false) runs single-stream decode, decode at a fixed batch
 and prefill-only steps, alternately with the fused kernels (engine/models/csrc/fused_cpu.cpp) and
 with the torch ops (the model's fallback when the extension cannot be built), in the same process,
 round after round, so that both arms see the same machine; the medians over the rounds are
@@ -106,7 +106,8 @@ def main() -> None:
     title = "Decode and prefill with the fused fp32 CPU kernels and with torch ops (medians of alternating rounds)"
     publish_table(
         "fused_kernels", "Fused CPU kernels: RMSNorm, residual add + RMSNorm, RoPE, SwiGLU activation", data,
-        f"SmolLM2-135M fp32 on the engine's defaults; decode: {args.prompt}-token prompts, {args.tokens} greedy "
+        f"SmolLM2-135M fp32 without packed weight copies (cpu_prepack_weights false, the engine's defaults until "
+        "2026-12-05); decode: {args.prompt}-token prompts, {args.tokens} greedy "
         f"tokens each, decode steps only; prefill: {num} prompts of {plen} tokens, one token each, every step "
         f"timed; the two arms alternate {args.rounds} times in one process and the medians are compared.",
         title, headers, rows)

@@ -8,7 +8,7 @@ One pass = every linear of SmolLM2-135M for one step of `rows` tokens: 30 layers
 gate_up and down weights (random, distinct per layer, so that as in the model they stream from
 memory rather than sit in cache) and the 49152-wide LM head. Three arms, each through
 `engine.models.linear.linear`, alternating round after round in one process: the engine's
-defaults (plain weights: the skinny kernel up to 8 rows, oneDNN at padded row buckets above),
+plain weights (no packed copy: the skinny kernel up to 8 rows, oneDNN at padded row buckets above),
 oneDNN on its packed copy (what `cpu_prepack_weights` kept before the panel kernel), and the
 panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPUs). With
 `--base REV`, two more arms, both calling the kernel directly (without `linear`'s Python
@@ -92,7 +92,7 @@ def main() -> None:
 
     if not lin._panel_kernel():
         sys.exit("the panel kernel is not available here (it needs AVX-512 and the CPU extension); nothing to compare")
-    arms = {"plain": "defaults (plain weights)", "onednn": "oneDNN, packed", "panel": "panel kernel, packed"}
+    arms = {"plain": "plain weights, no copy", "onednn": "oneDNN, packed", "panel": "panel kernel, packed"}
     base = None
     if args.base:
         from bench.git_kernel import build_at_revision
@@ -124,7 +124,7 @@ def main() -> None:
             "medians": medians, "flops_per_row": flops_per_row}
     write_json("panel_gemm.json", data)
 
-    headers = ["rows", *(f"{name} ms" for name in arms.values()), "panel GFLOP/s", "panel ÷ defaults",
+    headers = ["rows", *(f"{name} ms" for name in arms.values()), "panel GFLOP/s", "panel ÷ plain",
                "panel ÷ oneDNN packed", *([f"direct ÷ at {args.base}"] if base is not None else [])]
     table = []
     for rows, m in medians.items():
