@@ -51,7 +51,7 @@ def run(q, kv, table, num_cached, scale):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 2, 32),
-                                                             (4, 1, 48)])
+                                                             (4, 1, 48), (10, 2, 20)])
 @pytest.mark.parametrize(("tokens", "num_cached"), [(1, 0), (5, 0), (16, 0), (17, 0), (100, 0), (1, 40), (23, 9),
                                                     (64, 130)])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
