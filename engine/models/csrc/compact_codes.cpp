@@ -35,44 +35,49 @@ static inline uint32_t bits_of(float x) {
   return b;
 }
 
-// The product, rounded, kept from being contracted with the add that follows into one FMA.
-static inline float mul_rounded(float a, float b) {
-  float p = a * b;
-  asm volatile("" : "+x"(p));
-  return p;
-}
-
-// Codes of one group for scale s (offset o, or none), and whether they rebuild all of x bit for bit.
+// Codes of one group x (two vectors of 16) for scale s (offset o, or none), and whether they rebuild all of x
+// bit for bit; 16 values per instruction. The multiply and the add round separately (panel_gemm's mul_rn and
+// add_rn, never contracted into an FMA), as rebuild_panel computes them.
 template <bool kAffine>
-static inline bool fits(const float* x, float s, float o, int low, int high, int16_t* codes) {
-  const float div = s != 0.f ? s : 1.f;
-  for (int64_t j = 0; j < kGroup; ++j) {
-    const float centred = kAffine ? x[j] - o : x[j];
-    float q = s != 0.f ? std::clamp(std::nearbyint(centred / div), static_cast<float>(low), static_cast<float>(high))
-                       : 0.f;
-    q += 0.f;  // a rounded -0.0 becomes the +0.0 that the kernel's integer code 0 converts to
-    float r = mul_rounded(q, s);
-    if (kAffine) r = r + o;
-    if (bits_of(r) != bits_of(x[j])) return false;
-    codes[j] = static_cast<int16_t>(q);
+static inline bool fits(const __m512 x[2], float s, float o, float low, float high, int32_t* codes) {
+  const __m512 vs = _mm512_set1_ps(s), div = _mm512_set1_ps(s != 0.f ? s : 1.f), vo = _mm512_set1_ps(o);
+  const __m512 lo = _mm512_set1_ps(low), hi = _mm512_set1_ps(high), zero = _mm512_setzero_ps();
+  __m512 q[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512 centred = kAffine ? _mm512_sub_ps(x[h], vo) : x[h];
+    q[h] = s != 0.f ? _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(centred, div),
+                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                                  lo),
+                                    hi)
+                    : zero;
+    q[h] = _mm512_add_ps(q[h], zero);  // a rounded -0.0 becomes the +0.0 that the kernel's integer code 0 converts to
+    __m512 r = panel_gemm::mul_rn(q[h], vs);
+    if (kAffine) r = panel_gemm::add_rn(r, vo);
+    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(r), _mm512_castps_si512(x[h]))) return false;
   }
+  for (int h = 0; h < 2; ++h) _mm512_storeu_si512(codes + 16 * h, _mm512_cvtps_epi32(q[h]));
   return true;
 }
 
-static inline bool all_finite(const float* x) {
-  for (int64_t j = 0; j < kGroup; ++j)
-    if (!std::isfinite(x[j])) return false;
-  return true;
+// The group's 32 values, or false if one is NaN or infinite (x - x is 0 only for finite x).
+static inline bool load_finite(const float* p, __m512 x[2]) {
+  x[0] = _mm512_loadu_ps(p);
+  x[1] = _mm512_loadu_ps(p + 16);
+  const __m512 zero = _mm512_setzero_ps();
+  return _mm512_cmp_ps_mask(_mm512_sub_ps(x[0], x[0]), zero, _CMP_EQ_OQ) == 0xFFFF &&
+         _mm512_cmp_ps_mask(_mm512_sub_ps(x[1], x[1]), zero, _CMP_EQ_OQ) == 0xFFFF;
 }
 
-static bool affine4_group(const float* x, float* scale, float* offset, int16_t* codes) {
-  if (!all_finite(x)) return false;
-  const float lo = *std::min_element(x, x + kGroup), hi = *std::max_element(x, x + kGroup);
+static bool affine4_group(const float* p, float* scale, float* offset, int32_t* codes) {
+  __m512 x[2];
+  if (!load_finite(p, x)) return false;
+  const float lo = _mm512_reduce_min_ps(_mm512_min_ps(x[0], x[1]));
+  const float hi = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
   if (bits_of(to_fp16(lo)) != bits_of(lo)) return false;  // the offset is an fp16 value
   const float estimate = to_fp16((hi - lo) / 15.f);
   for (int steps : kSteps) {
     const float s = fp16_step(estimate, steps);
-    if (fits<true>(x, s, lo, 0, 15, codes)) {
+    if (fits<true>(x, s, lo, 0.f, 15.f, codes)) {
       *scale = s;
       *offset = lo;
       return true;
@@ -81,16 +86,16 @@ static bool affine4_group(const float* x, float* scale, float* offset, int16_t* 
   return false;
 }
 
-static bool sym8_group(const float* x, float* scale, int16_t* codes) {
-  if (!all_finite(x)) return false;
-  float amax = 0.f;
-  for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(x[j]));
+static bool sym8_group(const float* p, float* scale, int32_t* codes) {
+  __m512 x[2];
+  if (!load_finite(p, x)) return false;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x[0]), _mm512_abs_ps(x[1])));
   for (float d : {127.f, 8.f, 7.f}) {
     const float estimate = to_fp16(amax / d);
     for (int steps : kSteps)
       for (float sign : {1.f, -1.f}) {
         const float s = fp16_step(estimate, steps) * sign;
-        if (fits<false>(x, s, 0.f, -127, 127, codes)) {
+        if (fits<false>(x, s, 0.f, -127.f, 127.f, codes)) {
           *scale = s;
           return true;
         }
@@ -108,7 +113,7 @@ static bool pack_kind(const float* w, int64_t N, int64_t G, uint8_t* out) {
   const int64_t P = (N + kCols - 1) / kCols, K = G * kGroup;
   std::atomic<bool> failed{false};
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    int16_t codes[kGroup];
+    int32_t codes[kGroup];
     for (int64_t p = p0; p < p1 && !failed.load(std::memory_order_relaxed); ++p)
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* blk = out + (p * G + g) * block;
