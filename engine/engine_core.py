@@ -88,11 +88,10 @@ class EngineCore:
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
         start = time.perf_counter()
-        prepack = config.cpu_prepack_weights
-        only_compact = prepack == "auto"  # packed copies only where they are compact, a fraction of the weights' bytes
+        # "auto": packed copies only where they are compact, a fraction of the weights' bytes (linear.prepack).
         self.prepacked_bytes = (self.model.prepack_weights(config.cpu_compact_weights, config.cpu_free_plain_weights,
-                                                           only_compact)
-                                if prepack is True or (only_compact and config.cpu_compact_weights) else 0)
+                                                           only_compact=config.cpu_prepack_weights == "auto")
+                                if config.cpu_prepack_weights else 0)
         self.prepack_s = time.perf_counter() - start
         if self.prepacked_bytes:
             log.info("packed weight copies: %.0f MiB in %.1f s", self.prepacked_bytes / 2**20, self.prepack_s)

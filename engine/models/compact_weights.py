@@ -23,7 +23,6 @@ import torch
 
 log = logging.getLogger(__name__)
 GROUP = 32  # inputs per code group, as in GGUF's Q4_0, Q4_1 and Q8_0 blocks
-COLS = 32  # output columns per panel (panel_gemm.cpp's kCols)
 AFFINE4_BLOCK = 64 + 64 + GROUP * 16  # bytes per panel and group: fp16 scales, fp16 offsets, 4-bit codes
 SYM8_BLOCK = 64 + GROUP * 32  # fp16 scales, int8 codes
 

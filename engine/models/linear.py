@@ -208,8 +208,9 @@ def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = F
                     only_compact: bool = False) -> int:
     """Give every fp32 CPU `Linear` in `model` its packed weight (`prepack`); returns the bytes added.
 
-    `only_compact`: only the weights that get compact panels; `free_plain`: a weight whose packed copy is compact is then freed (`free_plain_weight`); the model's
-    parameters then count only what stays (engine.quant.modules.weight_bytes skips freed ones)."""
+    `only_compact`: only the weights that get compact panels; `free_plain`: a weight whose packed copy is
+    compact is then freed (`free_plain_weight`); the model's parameters then count only what stays
+    (engine.quant.modules.weight_bytes skips freed ones)."""
     added, freed = 0, False
     for module in model.modules():
         if isinstance(module, Linear) and (packed := prepack(module.weight, compact, only_compact)) is not None:
