@@ -95,6 +95,11 @@ class EngineCore:
         self.prepack_s = time.perf_counter() - start
         if self.prepacked_bytes:
             log.info("packed weight copies: %.0f MiB in %.1f s", self.prepacked_bytes / 2**20, self.prepack_s)
+        if config.huge_pages and self.device.type == "cpu":
+            start = time.perf_counter()
+            if moved := self.model.move_decode_weights_to_huge_pages():
+                log.info("weights a decode step streams: %.0f MiB moved to huge pages in %.2f s", moved / 2**20,
+                         time.perf_counter() - start)
         if self.device.type == "cuda" and config.gpu_fused_kernels:
             self.model.enable_triton_fusions()
         if config.activation_chunk_rows:
@@ -103,7 +108,7 @@ class EngineCore:
         self.weight_bytes = weight_bytes(self.model)
         self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype)
         self.max_model_len = self.layout.max_model_len
-        self.kv_caches = allocate_kv_caches(self.layout, mc)
+        self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
         # The deterministic prefill grid must fit in one step's budget (a derived value).
         bs = config.block_size

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from engine import hugepages
 from engine.config import CacheLayout, EngineConfig
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
@@ -66,14 +67,28 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
                        cfg.kv_fp_window, cfg.max_num_seqs if cfg.kv_fp_window else 0, ring_bytes)
 
 
-def allocate_kv_caches(layout: CacheLayout, model: ModelConfig) -> list:
+def allocate_kv_caches(layout: CacheLayout, model: ModelConfig, huge_pages: bool = False) -> list:
+    """Every layer's KV cache, zeroed. `huge_pages`: on the CPU, all of them in one region of transparent huge
+    pages (engine/hugepages.py), where the host allows it."""
     # One block more than the block manager hands out: block `num_blocks` is scratch,
     # where padded rows (CUDA-graph buckets) write without touching anyone's KV.
+    huge = huge_pages and layout.device.type == "cpu"
     if layout.cache_bits == 8:
-        from engine.attention.kv_int8 import Int8KVCache
+        from engine.attention.kv_int8 import KV_SCALE_DTYPE, Int8KVCache
 
-        return [Int8KVCache.allocate(layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim,
-                                     layout.window, layout.window_slots, layout.dtype, layout.device)
-                for _ in range(model.num_layers)]
+        caches = [Int8KVCache.allocate(layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim,
+                                       layout.window, layout.window_slots, layout.dtype, layout.device)
+                  for _ in range(model.num_layers)] if not huge else []
+        if huge:
+            values_shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)
+            scales_shape = values_shape[:-1]
+            flat = hugepages.zeros([(values_shape, torch.int8), (scales_shape, KV_SCALE_DTYPE)] * model.num_layers)
+            for values, scales in zip(flat[::2], flat[1::2], strict=True):
+                ring = (torch.zeros(2, layout.window_slots, layout.window, model.num_kv_heads, model.head_dim,
+                                    dtype=layout.dtype) if layout.window else None)
+                caches.append(Int8KVCache(values, scales, ring))
+        return caches
     shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)
+    if huge:
+        return hugepages.zeros([(shape, layout.dtype)] * model.num_layers)
     return [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(model.num_layers)]

@@ -160,6 +160,8 @@ class MemoryConfig(_Section):
     cpu_compact_weights: bool = True
     # With compact panels: free the fp32 weights they hold (larger batches rebuild them per call).
     cpu_free_plain_weights: bool = False
+    # CPU: the KV cache and the weights a decode step streams in transparent huge pages (madvise).
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
@@ -424,6 +426,7 @@ class ServiceConfig(_Section):
                 cpu_prepack_weights=memory.cpu_prepack_weights,
                 cpu_compact_weights=memory.cpu_compact_weights,
                 cpu_free_plain_weights=memory.cpu_free_plain_weights,
+                huge_pages=memory.huge_pages,
                 weight_bits=quant.weight_bits,
                 weight_group_size=quant.weight_group_size,
                 calibration_file=(str(Path(quant.calibration_file).expanduser())

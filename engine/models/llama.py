@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import hugepages
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.compact_weights import is_compact
@@ -334,6 +335,39 @@ class LlamaForCausalLM(nn.Module):
                 return_freed_memory()
         self._enable_fused_decode()
         return added
+
+    def move_decode_weights_to_huge_pages(self) -> int:
+        """Move the weights a CPU decode step streams into one region of transparent huge pages
+        (engine/hugepages.py): each linear's panel-packed copy, else its fp32 weight, and the tied LM head's
+        (its packed copy, else the table). One tensor at a time, each original freed as its copy lands, so
+        the peak is the region plus one tensor. Returns the bytes moved (0 where huge pages are unavailable)."""
+        slots: list[tuple[nn.Module, str]] = []
+        for m in self.modules():
+            if type(m) is Linear:
+                if is_panel_packed(m.packed):
+                    slots.append((m, "packed"))
+                elif m.packed is None and m.weight.device.type == "cpu" and not m.weight.is_meta:
+                    slots.append((m, "weight"))
+        emb = self.embed_tokens
+        if self.lm_head is None and type(emb) is Embedding:
+            if is_panel_packed(emb.packed_head):
+                slots.append((emb, "packed_head"))
+            elif emb.packed_head is None and emb.weight.device.type == "cpu" and not emb.weight.is_meta:
+                slots.append((emb, "weight"))
+        arena = hugepages.arena_for([(getattr(m, a).shape, getattr(m, a).dtype) for m, a in slots])
+        if arena is None:
+            return 0
+        moved = 0
+        for m, attr in slots:
+            old = getattr(m, attr)
+            new = arena.take(old.shape, old.dtype).copy_(old)
+            setattr(m, attr, nn.Parameter(new, requires_grad=False) if attr == "weight" else new)
+            moved += new.numel() * new.element_size()
+            del old
+        if self._fused_decode is not None:
+            self._enable_fused_decode()  # its weight list held the old copies
+        return_freed_memory()
+        return moved
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

@@ -1,0 +1,83 @@
+"""engine/hugepages.py: tensors carved from one region of transparent huge pages, and the engine's use of it
+(the KV cache and the weights a decode step streams), which must not change a single output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, hugepages
+from engine.models.linear import Linear
+
+needs_thp = pytest.mark.skipif(not hugepages.available(), reason="this host gives no transparent huge pages")
+
+
+def huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds t's first byte (/proc/self/smaps)."""
+    addr, inside, kib = t.data_ptr(), False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            kib = int(line.split()[1])
+    return kib
+
+
+@needs_thp
+def test_an_arena_carves_aligned_zeroed_disjoint_tensors_and_refuses_more_than_it_holds():
+    specs = [((3, 5), torch.float32), ((7,), torch.int8), ((2, 1000), torch.float16)]
+    arena = hugepages.HugePageArena(hugepages.arena_bytes(specs))
+    assert arena.capacity % hugepages.HUGE_PAGE == 0
+    out = [arena.take(shape, dtype) for shape, dtype in specs]
+    for t, (shape, dtype) in zip(out, specs, strict=True):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 4096 == 0 and not t.any()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in out)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+    out[0].fill_(1.0)
+    assert not out[1].any() and not out[2].any()
+    with pytest.raises(ValueError, match="no room"):
+        arena.take((hugepages.HUGE_PAGE,), torch.float32)
+
+
+@needs_thp
+def test_zeros_are_zero_and_live_in_huge_pages():
+    a, b = hugepages.zeros([((1 << 20,), torch.float32), ((2, 1 << 19), torch.float32)])  # 4 + 4 MiB
+    assert a.shape == (1 << 20,) and b.shape == (2, 1 << 19)
+    assert not a.any() and not b.any()
+    assert huge_kib(a) >= 2048
+
+
+def test_without_huge_pages_callers_keep_torch_allocations(monkeypatch):
+    monkeypatch.setattr(hugepages, "available", lambda: False)
+    assert hugepages.arena_for([((4,), torch.float32)]) is None
+    (z,) = hugepages.zeros([((4, 2), torch.float16)])
+    assert z.dtype == torch.float16 and z.shape == (4, 2) and not z.any()
+
+
+@needs_thp
+@pytest.mark.parametrize("options", [dict(cpu_prepack_weights=True, cpu_compact_weights=False),
+                                     dict(cpu_prepack_weights=False), dict(cache_bits=8)],
+                         ids=["fp32-panels", "plain-weights", "int8-kv"])
+def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge_pages(options):
+    kw = dict(model="smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False,
+              **options)
+    prompts = ["The GNU General Public License is", "Once upon a time", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(huge_pages=False, **kw)
+    huge = LLM(huge_pages=True, **kw)
+    assert [o.token_ids for o in huge.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    cache = huge.engine.kv_caches[0]
+    assert huge_kib(cache.values if options.get("cache_bits") == 8 else cache) > 0
+    assert huge_kib(plain.engine.kv_caches[0] if not options.get("cache_bits") else plain.engine.kv_caches[0].values) == 0
+    # The weights a decode step streams moved too: each linear's packed copy, else its weight.
+    qkv = huge.engine.model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is Linear
+    streamed = qkv.packed if qkv.packed is not None else qkv.weight
+    assert huge_kib(streamed) > 0
+    if huge.engine.model._fused_decode is not None:  # the one-call decoder reads the moved copies
+        assert any(w.data_ptr() == qkv.packed.data_ptr() for w in huge.engine.model._fused_decode)
