@@ -1,10 +1,11 @@
 """Host tensors backed by transparent huge pages (2 MiB), for the bytes a CPU decode step streams.
 
 A decode step reads the whole KV cache of its batch and, at small batches, every weight: hundreds of
-MiB a step in 4 KiB pages, so a TLB miss and a page walk every 4 KiB. On this repository's dev VM a
-plain read of 1 GiB runs at about 22 GB/s in 4 KiB pages and 30 GB/s in 2 MiB pages
-(`.venv/bin/python -m bench.huge_pages` times the engine with and without them). Linux gives
-anonymous memory huge pages either always or, by default on many distributions
+MiB a step, in 4 KiB pages a TLB miss and a page walk every 4 KiB. `.venv/bin/python -m
+bench.huge_pages` (2026-12-05 12:33 UTC, this repository's dev VM) read 1 GiB at 23.8 GB/s in 4 KiB
+pages and 29.7 GB/s in 2 MiB pages; the engine's kernels, which prefetch ahead in software, gain
+far less: SmolLM2 decode steps ran 1.01-1.12x as fast at batches 1-8 and 1.00-1.02x from 16 up.
+Linux gives anonymous memory huge pages either always or, by default on many distributions
 (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), only where the process asks with
 madvise(MADV_HUGEPAGE) before the memory is first touched; torch's allocator never asks.
 
@@ -17,7 +18,6 @@ MADV_HUGEPAGE in this Python), `available()` is False and callers keep torch's a
 
 from __future__ import annotations
 
-import logging
 import mmap
 from functools import cache
 from math import prod
@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 _ALIGN = 4096  # each tensor's start within the region
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def test_an_arena_carves_aligned_zeroed_disjoint_tensors_and_refuses_more_than_i
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
         assert t.data_ptr() % 4096 == 0 and not t.any()
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in out)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no overlap
     out[0].fill_(1.0)
     assert not out[1].any() and not out[2].any()
     with pytest.raises(ValueError, match="no room"):

@@ -1,0 +1,117 @@
+"""The engine with its KV cache and decode-streamed weights in transparent huge pages, and without.
+
+    .venv/bin/python -m bench.huge_pages
+    .venv/bin/python -m bench.huge_pages --batches 1 48 --rounds 5 --workload-rounds 0
+
+`memory.huge_pages` (engine/hugepages.py) keeps the KV cache and the weights a decode step streams
+(each linear's packed copy, else its fp32 weight) in one madvised region of 2 MiB pages instead of
+torch's 4 KiB ones. Three parts, each alternating its arms round after round in one process:
+
+1. A plain read: the sum of 1 GiB of fp32 in 4 KiB pages and in huge pages (GB/s, best of 5).
+2. Decode steps of SmolLM2-135M at several batch sizes, for three weight settings (fp32 panels,
+   `cpu_prepack_weights: true, cpu_compact_weights: false`, the headline engine of bench.throughput;
+   the defaults, compact panels; no packed copies), each with huge_pages false and true: the
+   engine's own time of each decode-only step at the full batch (prefill excluded), the median per
+   round, then over rounds (bench.kv_decode's method). Huge pages move no arithmetic, so every
+   greedy token must be equal; the last column counts the sequences that are.
+3. bench.throughput's workload on the fp32-panel engine with and without huge pages.
+
+Writes bench/results/huge_pages.json and its section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from bench.kv_decode import measure_batches, parse_args, passages, whole_workload, workload_table
+from bench.report import markdown_table, print_table, publish_table, run_info, write_json
+from bench.throughput import progress_bar
+from engine import LLM, hugepages
+from engine.models.cpu_kernels import cpu_kernels
+
+SETTINGS = {"fp32 panels": {"cpu_prepack_weights": True, "cpu_compact_weights": False},
+            "compact panels (defaults)": {},
+            "no packed copies": {"cpu_prepack_weights": False}}
+EQUAL_KEY = "requests_equal"
+
+
+def read_rates(rounds: int) -> dict[str, float]:
+    """Best GB/s of a sum over 1 GiB of fp32 in 4 KiB pages and in huge pages, the two alternating."""
+    small = torch.ones(1 << 28)
+    (huge,) = hugepages.zeros([((1 << 28,), torch.float32)])
+    huge.fill_(1.0)
+    best = {"4 KiB pages": float("inf"), "huge pages": float("inf")}
+    for _ in range(rounds):
+        for name, t in (("4 KiB pages", small), ("huge pages", huge)):
+            t0 = time.perf_counter()
+            t.sum()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: (1 << 30) / s / 1e9 for name, s in best.items()}
+
+
+def main() -> None:
+    args = parse_args(__doc__, [1, 8, 16, 32, 48], "page sizes")
+    if not hugepages.available():
+        raise SystemExit("this host gives no transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled "
+                         "is `never`, or this is not Linux): nothing to compare")
+    biggest = max(args.batches)
+    block_size = 16
+    blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64
+    cpu_kernels()  # built or loaded from disk before the engines are timed
+    data = {**run_info("bench.huge_pages", args.threads), "context": args.context, "steps": args.steps,
+            "rounds": args.rounds, "settings": {}}
+    with progress_bar("plain reads", 1) as advance:
+        data["read_gbps"] = read_rates(5)
+        advance()
+    for setting, options in SETTINGS.items():
+        llms = {f"{setting}, {label}": LLM(model="smollm2", dtype="float32", block_size=block_size,
+                                           num_kv_blocks=blocks, max_num_seqs=biggest,
+                                           max_model_len=args.context + args.steps + 16,
+                                           max_num_batched_tokens=4096, huge_pages=huge, **options)
+                for label, huge in (("4 KiB pages", False), ("huge pages", True))}
+        prompts = passages(next(iter(llms.values())), biggest, args.context)
+        data["settings"][setting] = measure_batches(llms, prompts, args, setting, "sequences_equal")
+        del llms
+        gc.collect()
+    arms = {"fp32 panels, 4 KiB pages": {**SETTINGS["fp32 panels"], "huge_pages": False},
+            "fp32 panels, huge pages": {**SETTINGS["fp32 panels"], "huge_pages": True}}
+    if args.workload_rounds:
+        data["workload"] = whole_workload(args.workload_rounds, arms, EQUAL_KEY)
+    write_json("huge_pages.json", data)
+
+    reads = data["read_gbps"]
+    read_rows = [(name, f"{gbps:.1f}", f"{gbps / reads['4 KiB pages']:.2f}×") for name, gbps in reads.items()]
+    read_headers = ["pages", "read GB/s", "÷ 4 KiB pages"]
+    print_table("A plain read of 1 GiB", read_headers, read_rows)
+    headers = ["weights", "batch", "4 KiB pages ms/step", "huge pages ms/step", "huge ÷ 4 KiB speed",
+               "greedy tokens equal"]
+    rows = []
+    for setting, batches in data["settings"].items():
+        for batch, r in batches.items():
+            m = r["median_step_s"]
+            small, huge = m[f"{setting}, 4 KiB pages"], m[f"{setting}, huge pages"]
+            rows.append((setting, batch, f"{small * 1e3:.1f}", f"{huge * 1e3:.1f}", f"{small / huge:.2f}×",
+                         f"{r['sequences_equal']}/{batch}"))
+    publish_table(
+        "huge_pages", "The KV cache and decode-streamed weights in huge pages (SmolLM2-135M, fp32, CPU)", data,
+        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache; for each weight "
+        "setting, two engines in one process, `huge_pages` false and true (the KV cache and the weights a decode "
+        "step streams, each linear's packed copy or else its fp32 weight, in one madvised region of 2 MiB pages), "
+        f"alternating {args.rounds} rounds; the median of each round's decode-only steps at the full batch "
+        f"(prefill excluded), then the median over rounds. Page sizes move no arithmetic, so the greedy tokens "
+        f"must be equal. Before them, a plain read of 1 GiB (the sum, best of 5): "
+        f"{reads['4 KiB pages']:.1f} GB/s in 4 KiB pages, {reads['huge pages']:.1f} GB/s in huge pages.",
+        f"ms per decode step, context {args.context}", headers, rows,
+        extra="\n\n".join(filter(None, [markdown_table("A plain read of 1 GiB", read_headers, read_rows),
+                                        workload_table(data.get("workload"), tuple(arms), "engine",
+                                                       "greedy tokens equal", EQUAL_KEY)])))
+
+
+if __name__ == "__main__":
+    main()
