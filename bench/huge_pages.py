@@ -3,9 +3,11 @@
     .venv/bin/python -m bench.huge_pages
     .venv/bin/python -m bench.huge_pages --batches 1 48 --rounds 5 --workload-rounds 0
 
-`memory.huge_pages` (engine/hugepages.py) keeps the KV cache and the weights a decode step streams
-(each linear's packed copy, else its fp32 weight) in one madvised region of 2 MiB pages instead of
-torch's 4 KiB ones. Three parts, each alternating its arms round after round in one process:
+`memory.huge_pages` (engine/hugepages.py, off by default) keeps the KV cache and the weights a decode
+step streams (each linear's packed copy, else its fp32 weight) in one madvised region of 2 MiB pages
+instead of torch's 4 KiB ones. Three parts, each alternating its arms round after round in one
+process (and the time each engine took to start, which huge pages lengthen where the kernel must
+compact memory to find them):
 
 1. A plain read: the sum of 1 GiB of fp32 in 4 KiB pages and in huge pages (GB/s, best of 5).
 2. Decode steps of SmolLM2-135M at several batch sizes, for three weight settings (fp32 panels,
@@ -65,16 +67,20 @@ def main() -> None:
     blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64
     cpu_kernels()  # built or loaded from disk before the engines are timed
     data = {**run_info("bench.huge_pages", args.threads), "context": args.context, "steps": args.steps,
-            "rounds": args.rounds, "settings": {}}
+            "rounds": args.rounds, "settings": {}, "start_s": {}}
     with progress_bar("plain reads", 1) as advance:
         data["read_gbps"] = read_rates(5)
         advance()
     for setting, options in SETTINGS.items():
-        llms = {f"{setting}, {label}": LLM(model="smollm2", dtype="float32", block_size=block_size,
-                                           num_kv_blocks=blocks, max_num_seqs=biggest,
-                                           max_model_len=args.context + args.steps + 16,
-                                           max_num_batched_tokens=4096, huge_pages=huge, **options)
-                for label, huge in (("4 KiB pages", False), ("huge pages", True))}
+        llms, start_s = {}, {}
+        for label, huge in (("4 KiB pages", False), ("huge pages", True)):
+            t0 = time.perf_counter()
+            llms[f"{setting}, {label}"] = LLM(model="smollm2", dtype="float32", block_size=block_size,
+                                              num_kv_blocks=blocks, max_num_seqs=biggest,
+                                              max_model_len=args.context + args.steps + 16,
+                                              max_num_batched_tokens=4096, huge_pages=huge, **options)
+            start_s[label] = time.perf_counter() - t0
+        data["start_s"][setting] = start_s
         prompts = passages(next(iter(llms.values())), biggest, args.context)
         data["settings"][setting] = measure_batches(llms, prompts, args, setting, "sequences_equal")
         del llms
@@ -89,6 +95,10 @@ def main() -> None:
     read_rows = [(name, f"{gbps:.1f}", f"{gbps / reads['4 KiB pages']:.2f}×") for name, gbps in reads.items()]
     read_headers = ["pages", "read GB/s", "÷ 4 KiB pages"]
     print_table("A plain read of 1 GiB", read_headers, read_rows)
+    start_rows = [(setting, f"{v['4 KiB pages']:.1f}", f"{v['huge pages']:.1f}")
+                  for setting, v in data["start_s"].items()]
+    start_headers = ["weights", "4 KiB pages: engine start s", "huge pages: engine start s"]
+    print_table("Engine start (model load, packing, KV pool)", start_headers, start_rows)
     headers = ["weights", "batch", "4 KiB pages ms/step", "huge pages ms/step", "huge ÷ 4 KiB speed",
                "greedy tokens equal"]
     rows = []
@@ -109,6 +119,9 @@ def main() -> None:
         f"{reads['4 KiB pages']:.1f} GB/s in 4 KiB pages, {reads['huge pages']:.1f} GB/s in huge pages.",
         f"ms per decode step, context {args.context}", headers, rows,
         extra="\n\n".join(filter(None, [markdown_table("A plain read of 1 GiB", read_headers, read_rows),
+                                        markdown_table("Engine start (model load, packing, KV pool: "
+                                                       f"{blocks} blocks of {block_size} rows)", start_headers,
+                                                       start_rows),
                                         workload_table(data.get("workload"), tuple(arms), "engine",
                                                        "greedy tokens equal", EQUAL_KEY)])))
 

@@ -66,10 +66,10 @@ class EngineConfig:
     # chunks over 256 rows and deterministic requests rebuild a layer's weight per call, token lookups
     # their rows); SmolLM2's weights drop from 605 MiB (fp32 weights plus the panels) to 92 MiB.
     cpu_free_plain_weights: bool = False
-    # CPU: keep the KV cache and the packed weight copies in transparent huge pages (2 MiB, asked for with
-    # madvise; engine/hugepages.py): a decode step streams both, and in 4 KiB pages it takes a TLB miss every
-    # 4 KiB. No effect where the host's THP setting is `never`; false keeps torch's allocations.
-    huge_pages: bool = True
+    # CPU: keep the KV cache and the weights a decode step streams in transparent huge pages (2 MiB, asked
+    # for with madvise; engine/hugepages.py). Off by default: on the dev VM it made engine start up to 18 s
+    # slower (the kernel compacts memory to find the pages) for 1.00-1.14x on decode (bench.huge_pages).
+    huge_pages: bool = False
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
     activation_chunk_rows: int = 512

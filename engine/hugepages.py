@@ -1,13 +1,15 @@
 """Host tensors backed by transparent huge pages (2 MiB), for the bytes a CPU decode step streams.
 
 A decode step reads the whole KV cache of its batch and, at small batches, every weight: hundreds of
-MiB a step, in 4 KiB pages a TLB miss and a page walk every 4 KiB. `.venv/bin/python -m
-bench.huge_pages` (2026-12-05 12:33 UTC, this repository's dev VM) read 1 GiB at 23.8 GB/s in 4 KiB
-pages and 29.7 GB/s in 2 MiB pages; the engine's kernels, which prefetch ahead in software, gain
-far less: SmolLM2 decode steps ran 1.01-1.12x as fast at batches 1-8 and 1.00-1.02x from 16 up.
-Linux gives anonymous memory huge pages either always or, by default on many distributions
-(`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), only where the process asks with
-madvise(MADV_HUGEPAGE) before the memory is first touched; torch's allocator never asks.
+MiB a step, in 4 KiB pages a TLB miss and a page walk every 4 KiB. Linux gives anonymous memory huge
+pages either always or, by default on many distributions (`/sys/kernel/mm/transparent_hugepage/enabled`
+= madvise), only where the process asks with madvise(MADV_HUGEPAGE) before the memory is first touched;
+torch's allocator never asks. The engine asks when `huge_pages` is on, which it is not by default:
+`.venv/bin/python -m bench.huge_pages` (2026-12-05, this repository's dev VM) read 1 GiB 1.19-1.25x as fast
+from huge pages, but the engine's kernels, which prefetch ahead in software, gained little (SmolLM2 decode
+steps 1.01-1.14x at batches 1-8, 1.00-1.03x from 16 up, the throughput workload within noise), and an
+engine could take up to 18 s longer to start where the kernel had to compact memory (THP defrag `madvise`)
+to find the pages.
 
 `HugePageArena` maps one private anonymous region, asks for huge pages, and hands out tensors
 carved from it, so that a set of tensors shares one region (a tensor of its own would round its

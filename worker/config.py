@@ -160,8 +160,9 @@ class MemoryConfig(_Section):
     cpu_compact_weights: bool = True
     # With compact panels: free the fp32 weights they hold (larger batches rebuild them per call).
     cpu_free_plain_weights: bool = False
-    # CPU: the KV cache and the weights a decode step streams in transparent huge pages (madvise).
-    huge_pages: bool = True
+    # CPU: the KV cache and the weights a decode step streams in transparent huge pages (madvise); off by
+    # default (a much slower engine start for little gain on the dev VM: bench.huge_pages).
+    huge_pages: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",

@@ -104,12 +104,20 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         return self._ops.paged_decode_attention(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                                 self.scale)
 
-    def _prefill(self, q, k, v, kv_cache, span: PrefillSpan) -> torch.Tensor:
+    def _prefill(self, q, k, v, kv_cache, span: PrefillSpan, out: torch.Tensor | None = None) -> torch.Tensor:
         if prefill_kernel_applies(q, span, self.head_dim) and kv_cache.dtype == torch.float32:
-            out = torch.empty(q.shape, dtype=q.dtype)
+            out = kernel_output(q, out)
             self._ops.paged_prefill_attention(out, q, kv_cache, span.block_table, span.num_cached, self.scale)
             return out
         return super()._prefill(q, k, v, kv_cache, span)
+
+
+def kernel_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a C++ prefill kernel writes (a contiguous [T, H, D] fp32 tensor): `out`, the chunk's rows of the
+    step's output, when it is one; else a new tensor."""
+    if out is not None and out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous():
+        return out
+    return torch.empty(q.shape, dtype=q.dtype)
 
 
 def prefill_kernel_applies(q: torch.Tensor, span: PrefillSpan, head_dim: int) -> bool:

@@ -24,7 +24,7 @@ from engine.attention.kv_int8 import (
 )
 from engine.attention.masks import build_mask
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend, place_prefill
 
 log = logging.getLogger(__name__)
 _QUERY_CHUNK = 256
@@ -51,7 +51,8 @@ class TorchInt8AttentionBackend(TorchAttentionBackend):
             out[:nd] = self._decode(q[:nd], kv_cache, meta)
         for i, span in enumerate(meta.prefills):
             sl = slice(span.token_start, span.token_start + span.num_tokens)
-            out[sl] = self._prefill_int8(q[sl], k[sl], v[sl], kv_cache, span, win, i, recent[i])
+            place_prefill(out[sl], self._prefill_int8(q[sl], k[sl], v[sl], kv_cache, span, win, i, recent[i],
+                                                      out=out[sl]))
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -61,7 +62,7 @@ class TorchInt8AttentionBackend(TorchAttentionBackend):
         return self._decode_sdpa(q, k, v, meta.decode_seq_lens)
 
     def _prefill_int8(self, q, k, v, kv_cache: Int8KVCache, span: PrefillSpan, win: KVWindowMetadata | None,
-                      index: int, recent) -> torch.Tensor:
+                      index: int, recent, out: torch.Tensor | None = None) -> torch.Tensor:
         kv_len = span.kv_len
         kq, vq = gather_dequantized(kv_cache, span.block_table.view(1, -1), q.dtype)
         kq, vq = kq[0, :kv_len], vq[0, :kv_len]
@@ -119,12 +120,12 @@ class CpuPagedInt8AttentionBackend(TorchInt8AttentionBackend):
         self._ops = load_kernels()
 
     def _prefill_int8(self, q, k, v, kv_cache: Int8KVCache, span: PrefillSpan, win: KVWindowMetadata | None,
-                      index: int, recent) -> torch.Tensor:
+                      index: int, recent, out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal chunks without a full-precision window run the C++ kernel on the int8 rows in place."""
-        from engine.attention.cpu_paged import prefill_kernel_applies
+        from engine.attention.cpu_paged import kernel_output, prefill_kernel_applies
 
         if win is None and prefill_kernel_applies(q, span, self.head_dim):
-            out = torch.empty(q.shape, dtype=q.dtype)
+            out = kernel_output(q, out)
             self._ops.paged_prefill_attention_int8(out, q, kv_cache.values, kv_cache.scales, span.block_table,
                                                    span.num_cached, self.scale)
             return out

@@ -31,7 +31,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = self._decode(q[:nd], kv_cache, meta)
         for span in meta.prefills:
             sl = slice(span.token_start, span.token_start + span.num_tokens)
-            out[sl] = self._prefill(q[sl], k[sl], v[sl], kv_cache, span)
+            place_prefill(out[sl], self._prefill(q[sl], k[sl], v[sl], kv_cache, span, out=out[sl]))
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -50,7 +50,9 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return o.squeeze(2)
 
-    def _prefill(self, q, k, v, kv_cache, span: PrefillSpan) -> torch.Tensor:
+    def _prefill(self, q, k, v, kv_cache, span: PrefillSpan, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk's attention [T, heads, head_dim]; a backend may write it into `out` (a view of the step's
+        output) and return that, saving a copy (place_prefill)."""
         if span.num_cached == 0 and span.mask.is_causal:
             return self._prefill_sdpa(q, k, v, span)
         kc, vc = gather_kv(kv_cache, span.block_table.view(1, -1))
@@ -72,6 +74,12 @@ class TorchAttentionBackend(AttentionBackend):
             attn_mask=mask, scale=self.scale, enable_gqa=gqa,
         )
         return o.transpose(0, 1)
+
+
+def place_prefill(dst: torch.Tensor, result: torch.Tensor) -> None:
+    """Put a chunk's attention into its rows of the step's output, unless the backend already wrote it there."""
+    if result.data_ptr() != dst.data_ptr():
+        dst.copy_(result)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -360,9 +360,9 @@ def test_engine_config_mapping(tmp_path):
         assert load_config(write(tmp_path, text), env={}).engine_config().cpu_prepack_weights == value
         env = {"INFINILM__MEMORY__CPU_PREPACK_WEIGHTS": str(value).lower()}
         assert load_config(None, env=env).engine_config().cpu_prepack_weights == value
-    assert load_config(None, env={}).engine_config().huge_pages is True
-    assert load_config(write(tmp_path, "memory: {huge_pages: false}\n"), env={}).engine_config().huge_pages is False
-    assert load_config(None, env={"INFINILM__MEMORY__HUGE_PAGES": "false"}).engine_config().huge_pages is False
+    assert load_config(None, env={}).engine_config().huge_pages is False
+    assert load_config(write(tmp_path, "memory: {huge_pages: true}\n"), env={}).engine_config().huge_pages is True
+    assert load_config(None, env={"INFINILM__MEMORY__HUGE_PAGES": "true"}).engine_config().huge_pages is True
 
 
 def test_worker_id_is_derived_not_stored():

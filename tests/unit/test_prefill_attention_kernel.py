@@ -191,3 +191,44 @@ def test_int8_backend_uses_the_kernel_without_a_window_and_matches_the_reference
             for backend in (fast, TorchInt8AttentionBackend(4, 2, 64))]
     assert calls == [28]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_the_kernels_write_each_chunk_straight_into_the_steps_output(monkeypatch, int8):
+    """Two chunks in one step: each kernel call's output is that chunk's rows of the tensor forward returns (no
+    copy), and the values are those of a kernel call into a tensor of its own."""
+    g = torch.Generator().manual_seed(10)
+    kv, table = cache(g, 64, 2, 64, 16)
+    table2 = table.flip(0)  # the second sequence's blocks: the same pool, another order
+    q, k, v = (torch.randn(30, n, 64, generator=g) for n in (4, 2, 2))
+    spans = [PrefillSpan(0, 12, 20, table), PrefillSpan(12, 18, 0, table2)]
+    slots = torch.cat([table[torch.arange(20, 32) // 16] * 16 + torch.arange(20, 32) % 16,
+                       table2[torch.arange(0, 18) // 16] * 16 + torch.arange(0, 18) % 16])
+    meta = AttentionMetadata(slot_mapping=slots, prefills=spans)
+    if int8:
+        codes, scales, _ = int8_pool(g, kv)
+        backend, kernel = CpuPagedInt8AttentionBackend(4, 2, 64), "paged_prefill_attention_int8"
+        pool = Int8KVCache(codes, scales)
+    else:
+        backend, kernel, pool = CpuPagedAttentionBackend(4, 2, 64), "paged_prefill_attention", kv
+    written, real = [], backend._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    def call(out, *args):
+        written.append(out.data_ptr())
+        return getattr(real, kernel)(out, *args)
+
+    spy = Spy()
+    setattr(spy, kernel, call)
+    monkeypatch.setattr(backend, "_ops", spy)
+    got = backend.forward(q, k, v, pool, meta).view(30, 4, 64)
+    assert written == [got[0].data_ptr(), got[12].data_ptr()]
+    for span in spans:  # the same bits as the kernel into a tensor of its own, over the cache forward wrote
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        alone = torch.empty(span.num_tokens, 4, 64)
+        args = (codes, scales) if int8 else (kv,)
+        getattr(real, kernel)(alone, q[rows], *args, span.block_table, span.num_cached, backend.scale)
+        assert torch.equal(got[rows], alone)
