@@ -62,9 +62,9 @@ def measure_gemm(m: int, k: int, n: int, reps: int) -> float:
 
 def measure_bandwidth(num_bytes: int, reps: int) -> tuple[float, float]:
     """(read GB/s from a sum, copy GB/s counting read + write) over a tensor far larger than any cache: the
-    better of torch's 4 KiB pages and, where the host gives them, the transparent huge pages that the engine
-    keeps its KV cache and decode weights in (engine/hugepages.py), so that the memory roof is this machine's
-    best and not a page size's."""
+    better of torch's 4 KiB pages and, where the host gives them, transparent huge pages (engine/hugepages.py,
+    where the engine keeps its KV cache and decode weights with `huge_pages: true`), so that the memory roof is
+    this machine's best and not a page size's."""
     n = num_bytes // 4
     x = torch.rand(n)
     y = torch.empty_like(x)
