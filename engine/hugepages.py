@@ -89,9 +89,8 @@ def arena_bytes(specs: list[tuple[tuple[int, ...] | torch.Size, torch.dtype]]) -
 def zeros(specs: list[tuple[tuple[int, ...] | torch.Size, torch.dtype]]) -> list[torch.Tensor]:
     """Zero tensors of these shapes and dtypes in one huge-page region, their pages faulted in now (as
     torch.zeros would), so that the first steps do not pay for it; torch.zeros where huge pages are unavailable."""
-    if not available():
+    if (arena := arena_for(specs)) is None:
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
-    arena = HugePageArena(arena_bytes(specs))
     out = [arena.take(shape, dtype) for shape, dtype in specs]
     for t in out:
         t.zero_()  # faults the pages in; the values are already zero
