@@ -48,7 +48,7 @@ SCENARIOS = {
     "redis-hang": ("redis_outage", {"requests": 600, "down_s": 20.0, "hang": True, "rate": 12.0, **SHORT},
                    {"requests": 150, "down_s": 8.0, "hang": True, "rate": 12.0, **SHORT}),
     "long": ("long_generations", {"concurrent": 8, "max_tokens": 250},
-             {"concurrent": 2, "max_tokens": 96, "max_poll_interval_ms": 3000}),
+             {"concurrent": 2, "max_tokens": 192, "max_poll_interval_ms": 2000}),
     "sigterm": ("sigterm_under_load", {"requests": 1000, "rate": 20.0, "max_tokens": (16, 64)},
                 {"requests": 300, "rate": 20.0, "max_tokens": (16, 64)}),
     "fuzz": ("fuzz", {"total": 30_000, "rounds": 10}, {"total": 10_000}),

@@ -52,12 +52,37 @@ def _best_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def measure_gemm(m: int, k: int, n: int, reps: int) -> float:
-    """Best-of-`reps` fp32 torch.mm rate in GFLOP/s."""
+    """Best-of-`reps` fp32 GEMM rate in GFLOP/s: the better of torch.mm (MKL) and, where torch has it, oneDNN's
+    linear, because neither library is the faster one on every CPU (on the AMD EPYC dev VM of 2026-12-05
+    oneDNN ran 5-25% faster than torch.mm) and the roof must be what this machine can do."""
     a = torch.randn(m, k)
     b = torch.randn(k, n)
     out = torch.empty(m, n)
     seconds = _best_time(lambda: torch.mm(a, b, out=out), reps)
+    if torch.backends.mkldnn.is_available():
+        weight = b.t().contiguous()  # [n, k], a linear layer's layout
+        with contextlib.suppress(RuntimeError):  # a torch build without the op keeps torch.mm's rate
+            seconds = min(seconds, _best_time(
+                lambda: torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], ""), reps))
     return 2 * m * k * n / seconds / 1e9
+
+
+class ReadProbe:
+    """The read rate of this moment (GB/s, the better of 4 KiB and huge pages, as measure_bandwidth): its
+    tensors are allocated once, so that it can run right before and after each round of a measurement whose
+    memory floor it gives. On a shared VM the rate moves by up to 2x within seconds (36 to 63 GB/s on the dev
+    VM of 2026-12-05), so a floor read minutes away from what it bounds can sit on either side of it."""
+
+    def __init__(self, num_bytes: int = BANDWIDTH_BYTES) -> None:
+        n = num_bytes // 4
+        self.num_bytes = n * 4
+        self.tensors = [torch.ones(n)]
+        if hugepages.available():
+            (huge,) = hugepages.zeros([((n,), torch.float32)])
+            self.tensors.append(huge.fill_(1.0))
+
+    def __call__(self, reps: int = 3) -> float:
+        return self.num_bytes / min(_best_time(t.sum, reps) for t in self.tensors) / 1e9
 
 
 def measure_bandwidth(num_bytes: int, reps: int) -> tuple[float, float]:

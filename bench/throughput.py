@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,7 +62,7 @@ class Settings:
     decode_min_batch: int = 32
     single_prompt: int = 128
     single_output: int = 128
-    single_rounds: int = 3
+    single_rounds: int = 5
     ttft_prefix: int = 1024
     ttft_suffix: int = 32
     ttft_repeats: int = 5
@@ -173,9 +173,12 @@ def run_single_stream(llm: LLM, prompt: list[int], n: int) -> dict:
             "decode_tok_s": (len(stamps) - 1) / decode_s}
 
 
-def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int) -> dict:
+def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int,
+                             read_probe: Callable[[], float] | None = None) -> dict:
     """run_single_stream `rounds` times (median by tok/s); where the model runs decode-only steps in one
-    C++ call (decode_layers), also with that off, alternating, as `layer_by_layer`."""
+    C++ call (decode_layers), also with that off, alternating, as `layer_by_layer`. With `read_probe`
+    (roofline.ReadProbe), each engine round also records `read_gbps`, the better of the read rates measured
+    right before and right after it: its own memory floor (analyse: single_stream_paired_share)."""
     model = llm.engine.model
     fused = model._fused_decode
     arms = {"engine": [], "layer_by_layer": []} if fused is not None else {"engine": []}
@@ -183,13 +186,19 @@ def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int) -
         for _ in range(rounds):
             for arm, runs in arms.items():
                 model._fused_decode = fused if arm == "engine" else None
+                before = read_probe() if read_probe and arm == "engine" else None
                 runs.append(run_single_stream(llm, prompt, n))
+                if before is not None:
+                    runs[-1]["read_gbps"] = max(before, read_probe())
     finally:
         model._fused_decode = fused
 
     def median(runs: list[dict]) -> dict:
-        return {**sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2],
-                "rounds_tok_s": [x["decode_tok_s"] for x in runs]}
+        out = {**sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2],
+               "rounds_tok_s": [x["decode_tok_s"] for x in runs]}
+        if any("read_gbps" in x for x in runs):
+            out["rounds"] = [{"decode_tok_s": x["decode_tok_s"], "read_gbps": x["read_gbps"]} for x in runs]
+        return out
 
     out = median(arms["engine"])
     if "layer_by_layer" in arms:
@@ -471,6 +480,12 @@ def analyse(r: dict, flops: roofline.FlopModel, weight_bytes: int, kv_token_byte
         "weight_bytes": weight_bytes, "memory_floor_step_s": floor_step, "memory_floor_tok_s": 1 / floor_step,
         "single_stream_share": r["single_stream"]["decode_tok_s"] * floor_step,
     }
+    # The same against each round's own floor, read right before and after it (run_single_stream_rounds): the
+    # median of the rounds' shares. The verdict rests on this one where the run has it.
+    if paired := [x for x in r["single_stream"].get("rounds", []) if "read_gbps" in x]:
+        shares = [x["decode_tok_s"] * weight_bytes / (x["read_gbps"] * 1e9) for x in paired]  # in round order
+        out["single_stream_paired_shares"] = shares
+        out["single_stream_paired_share"] = sorted(shares)[len(shares) // 2]
     # The same share against each GEMM probe alone: the best probe (above) is the conservative roof, and the
     # spread between probes is how far this VM's rate moved during the run.
     probes = [run["peak_gflops"] for run in r.get("machine_rates_runs", [])]
@@ -550,6 +565,13 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
         ("single stream: engine / floor tok/s", f"{ss['decode_tok_s']:.1f} / {a['memory_floor_tok_s']:.1f}"),
         ("single stream: share of memory floor", pct(a["single_stream_share"])),
     ]
+    if "single_stream_paired_share" in a:
+        rounds = ss["rounds"]
+        roof_rows.append(("single stream, each round against the read rate measured right before and after it: "
+                          "read GB/s; share per round; median",
+                          " / ".join(f"{x['read_gbps']:.1f}" for x in rounds) + " GB/s; "
+                          + " / ".join(pct(x) for x in a["single_stream_paired_shares"]) + "; "
+                          + pct(a["single_stream_paired_share"])))
     if "layer_by_layer" in ss:
         lbl = ss["layer_by_layer"]["decode_tok_s"]
         roof_rows.append(("single stream, layer by layer (decode_layers off): tok/s, engine ÷ this",
@@ -576,9 +598,14 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
     ]
     roof = ("Roofline and latency", ["measure", "value"], roof_rows)
 
-    def target(name, goal, value, threshold, fmt):
-        return (name, goal, fmt(value) if value is not None else "not measured",
-                "—" if value is None else ("yes" if value >= threshold else "no"))
+    def target(name, goal, value, threshold, fmt, share=False):
+        if value is None:
+            return (name, goal, "not measured", "—")
+        if share and value > 1:
+            # A roof the engine beats was measured at a slower moment than the engine ran (the VM's rates
+            # move): no verdict either way.
+            return (name, goal, fmt(value), "no verdict: above its roof")
+        return (name, goal, fmt(value), "yes" if value >= threshold else "no")
 
     def x(v):
         return f"{v:.2f}×"
@@ -586,9 +613,12 @@ def build_tables(r: dict) -> list[tuple[str, list[str], list[tuple]]]:
     targets = ("Targets from the tracker", ["target", "goal", "reached", "met"], [
         target("throughput vs HF static batches", "≥ 4×", ratio(eng, r.get("hf_static")), 4, x),
         target("throughput vs HF continuous batching", "≥ 6×", ratio(eng, r.get("hf_continuous")), 6, x),
-        target("share of compute roofline, whole workload", "≥ 65%", a["roofline_share"], 0.65, pct),
-        target(f"share of compute roofline, decode at batch ≥ {mb}", "≥ 70%", a["decode_share"], 0.70, pct),
-        target("single-stream decode vs memory floor", "≥ 80%", a["single_stream_share"], 0.80, pct),
+        target("share of compute roofline, whole workload", "≥ 65%", a["roofline_share"], 0.65, pct, share=True),
+        target(f"share of compute roofline, decode at batch ≥ {mb}", "≥ 70%", a["decode_share"], 0.70, pct,
+               share=True),
+        target("single-stream decode vs memory floor" + (", each round's own floor (median)"
+                                                           if "single_stream_paired_share" in a else ""),
+               "≥ 80%", a.get("single_stream_paired_share", a["single_stream_share"]), 0.80, pct, share=True),
         target("cached TTFT speed-up", "≥ 5×", tt["speedup"], 5, x),
     ])
     return [throughput, roof, targets]
@@ -628,12 +658,17 @@ def write_docs(r: dict, tables) -> None:
         "drops EOS from its stop set, the engine's token budget and sequence limit, and room for the whole workload. "
         "FLOPs: 2 × non-embedding parameters per computed token, the LM head only for sampled rows, and "
         "4 × layers × heads × head_dim per attended token; the roof is the best fp32 GEMM rate measured before "
-        "and after the runs (a 2-core VM's rates move between runs by up to a third). "
+        "and after the runs (a 2-core VM's rates move between runs by up to a third), each GEMM timed with "
+        "torch.mm and with oneDNN's linear (runs before 2026-12-05 16:40 UTC timed torch.mm alone). "
         "Whole-workload shares use wall time; decode shares use the engine's own step times. "
         "The single-stream floor is the weight bytes over the measured read bandwidth, per token; single-stream "
         f"decode is the median of {r['settings'].get('single_rounds', 1)} runs of {r['settings']['single_output']} "
         "tokens, alternated with runs that have the one-call decoder (decode_layers, which runs every layer of a "
-        "decode-only step in one C++ call) turned off.",
+        "decode-only step in one C++ call) turned off. Where the run has them (from 2026-12-05 16:40 UTC), the "
+        "single-stream verdict is the median over rounds of each round's share of its own floor, from the better "
+        "of the read rates measured right before and right after it: this VM's read rate moves by up to 2× within "
+        "seconds, so a floor read at another moment can sit on either side of the engine. A share above 100% "
+        "gets no verdict: its roof was measured at a slower moment than the engine ran.",
         f"One-time costs, outside every number above: C++ kernels built or loaded in {one['kernel_build_or_load']:.1f} s, "
         f"engine start {one['engine_start']:.1f} s, warm-up {one['engine_warmup']:.1f} s.",
         END,
@@ -746,8 +781,10 @@ def main() -> None:
                    "tok_s": sum(map(len, run.outputs)) / run.wall_s, "num_cached_tokens": run.num_cached_tokens,
                    "num_preemptions": run.num_preemptions, "num_steps": len(run.steps), "steps": run.steps}
     single_at = len(text_ids) // 2
+    read_probe = roofline.ReadProbe()
     r["single_stream"] = run_single_stream_rounds(llm, text_ids[single_at:single_at + s.single_prompt],
-                                                  s.single_output, s.single_rounds)
+                                                  s.single_output, s.single_rounds, read_probe)
+    del read_probe
     r["ttft"] = run_ttft(llm, text_ids, s, args.seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     r["engine"]["prepacked_bytes"] = llm.engine.prepacked_bytes

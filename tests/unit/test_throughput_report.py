@@ -86,3 +86,60 @@ def test_phase_timers_reach_every_phase_of_a_real_engine_step(tiny_llama):
     from engine.sampler import sample_on_device
 
     assert model_runner.sample_on_device is sample_on_device
+
+
+def tables_of(r: dict):
+    r.update({"settings": {"hf_batch_size": 16, "hf_cb_attn": "sdpa"},
+              "ttft": {"prefix_tokens": 8, "cold_median_s": 1.0, "cached_median_s": 0.1, "speedup": 10.0}})
+    r["workload"]["num_requests"] = 1
+    r["engine"].update({"output_tokens": 2, "tok_s": 2.0})
+    return build_tables(r)
+
+
+def test_single_stream_verdict_uses_each_rounds_own_floor() -> None:
+    r = run([10.0])
+    # 1 GB of weights. Round floors: 4 tok/s at 5 GB/s (80%), 9 tok/s at 10 GB/s (90%), 6 tok/s at 20 GB/s (30%).
+    r["single_stream"]["rounds"] = [{"decode_tok_s": 4.0, "read_gbps": 5.0}, {"decode_tok_s": 9.0, "read_gbps": 10.0},
+                                    {"decode_tok_s": 6.0, "read_gbps": 20.0}]
+    r["roofline"] = a = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
+    assert a["single_stream_paired_shares"] == pytest.approx([0.8, 0.9, 0.3])  # in round order
+    assert a["single_stream_paired_share"] == pytest.approx(0.8)
+    assert a["single_stream_share"] == pytest.approx(0.5)  # the run-level floor, still shown
+    r["single_stream"]["decode_tok_s"] = 6.0
+    _, roof, targets = tables_of(r)
+    paired = next(v for k, v in roof[2] if k.startswith("single stream, each round"))
+    assert paired == "5.0 / 10.0 / 20.0 GB/s; 80.0% / 90.0% / 30.0%; 80.0%"
+    row = next(row for row in targets[2] if row[0].startswith("single-stream decode vs memory floor"))
+    assert row[0].endswith("each round's own floor (median)") and row[2:] == ("80.0%", "yes")
+
+
+def test_a_share_above_its_roof_gets_no_verdict() -> None:
+    r = run([10.0])
+    r["single_stream"]["decode_tok_s"] = 12.0  # 120% of a 10 tok/s floor: the floor was read at a slower moment
+    r["roofline"] = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
+    _, _, targets = tables_of(r)
+    row = next(row for row in targets[2] if row[0] == "single-stream decode vs memory floor")
+    assert row[2:] == ("120.0%", "no verdict: above its roof")
+    ratio_row = next(row for row in targets[2] if row[0] == "cached TTFT speed-up")
+    assert ratio_row[3] == "yes"  # ratios are not shares: no cap
+
+
+def test_single_stream_rounds_bracket_each_engine_round_with_the_read_probe(tiny_llama):
+    from bench.roofline import ReadProbe
+    from bench.throughput import run_single_stream_rounds
+    from engine import LLM
+
+    probe = ReadProbe(1 << 20)
+    assert probe(1) > 0
+    rates = iter([3.0, 7.0, 8.0, 2.0])
+    calls = []
+
+    def fake_probe() -> float:
+        calls.append(1)
+        return next(rates)
+
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    out = run_single_stream_rounds(llm, [5, 6, 7, 8], 4, 2, fake_probe)
+    assert len(calls) == 4  # before and after each of the two engine rounds, none for the layer-by-layer arm
+    assert [x["read_gbps"] for x in out["rounds"]] == [7.0, 8.0]  # the better of each round's two
+    assert len(out["rounds_tok_s"]) == 2 and all(x > 0 for x in out["rounds_tok_s"])
