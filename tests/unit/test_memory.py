@@ -64,7 +64,9 @@ def test_fully_read_fetch_buffer_needs_no_collection(no_automatic_gc):
 def test_frozen_objects_are_kept_out_of_collections(no_automatic_gc):
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() > 0
+        # Frozen objects that die leave the frozen set (another thread of the test process may drop some
+        # between the two counts: 2 of 535601 did once), so the count can only have shrunk since.
+        assert frozen > 0 and frozen - 1000 < gc.get_freeze_count() <= frozen
         # Garbage made after the freeze is still found.
         node = _Node()
         node.me = node
