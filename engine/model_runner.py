@@ -145,7 +145,10 @@ class ModelRunner:
         prompt_logprobs = self._score(hidden, score_rows, score_targets) if score_rows else {}
         if not sampling:
             return StepHandle([], {}, None, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[to_device(rows, hidden.device)]).float()
+        # Rows rise strictly, so n of them ending at n - 1 are every row (a decode-only step): no gather.
+        chosen_rows = hidden if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1 \
+            else hidden[to_device(rows, hidden.device)]
+        logits = self.model.compute_logits(chosen_rows).float()
         captured = {s.request_id: logits[i].cpu().clone() for i, s in enumerate(sampling)} \
             if self.capture_logits else None
         if any(s.banned for s in sampling):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
 from engine.sampling_params import SamplingParams
 from engine.transfer import to_device
 
@@ -70,14 +71,13 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
 
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
-    # max(dim).indices: the first maximal index, as argmax gives, at a third of argmax's CPU time.
     if len(greedy) == rows:
-        chosen = logits.max(dim=-1).indices
+        chosen = greedy_choice(logits)
     else:
         chosen = torch.empty(rows, dtype=torch.long, device=device)
         if greedy:
             idx = to_device(greedy, device)
-            chosen[idx] = logits[idx].max(dim=-1).indices
+            chosen[idx] = greedy_choice(logits[idx])
         idx = to_device(rand, device)
         probs = _filtered_probs(logits[idx], [params[i] for i in rand])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row.
@@ -89,6 +89,15 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
         top = torch.topk(raw_logprobs, max(max(top_k), 1), dim=-1)
         result.top_ids, result.top_values = top.indices, top.values
     return result
+
+
+def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum: the compiled kernel for fp32 CPU logits (a quarter of torch's
+    time for one row of a 49k vocabulary), else max(dim).indices, which gives the same index as argmax at a
+    third of argmax's CPU time."""
+    if logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0 and fused_cpu_ok(logits):
+        return cpu_kernels().argmax_rows(logits)
+    return logits.max(dim=-1).indices
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

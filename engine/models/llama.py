@@ -221,10 +221,9 @@ class LlamaForCausalLM(nn.Module):
         if self.triton_fusions:
             return self._triton_layers(x, positions, kv_caches, meta)
         if self._fused_decode is not None and self._fused_decode_applies(x, meta):
-            x = self._fused_decode_layers(x, positions, kv_caches, meta)
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, positions, self.rope, kv_cache, meta)
+            return self._fused_decode_layers(x, positions, kv_caches, meta)  # the final norm included
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
 
     # The GPU path (enable_triton_fusions): each residual add is fused into the next RMSNorm.
@@ -281,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         return cpu_kernels().decode_layers(
             x.contiguous(), self._fused_decode, values, scales, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale)
+            cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach())
 
     def _enable_fused_decode(self) -> bool:
         """Run decode-only steps through decode_layers where it computes exactly what the layers do:

@@ -149,3 +149,30 @@ def test_mlp_activation_takes_the_kernel_and_returns_the_gate_half():
         got = mlp._activate(x)
     assert got.data_ptr() == x.data_ptr() and got.shape == (4, 6)  # written over the gate half, no copy
     assert torch.equal(got, want[:, :6])
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 1000), (64, 4099), (2, 17), (4, 16), (3, 5), (1, 1)])
+def test_argmax_rows_is_torch_max_indices_with_ties_and_nan(rows, vocab):
+    """The first index of each row's maximum, as torch's max(dim).indices: ties go to the lowest index, in a
+    lane's own run and across lanes, and a NaN anywhere in a row is its maximum (the first NaN wins)."""
+    cases = [randn(rows, vocab) * 5, torch.round(randn(rows, vocab)), torch.zeros(rows, vocab)]
+    tied = randn(rows, vocab)
+    tied[:, [vocab - 1, vocab // 2, vocab // 3]] = 100.0
+    cases.append(tied)
+    nan = randn(rows, vocab)
+    nan[0, vocab - 1] = float("nan")
+    nan[-1, vocab // 2] = float("nan")
+    nan[-1, max(vocab // 2 - 1, 0)] = float("inf")
+    cases.append(nan)
+    cases.append(randn(2 * rows, vocab)[::2])  # strided rows
+    for x in cases:
+        assert torch.equal(cpu_kernels().argmax_rows(x), x.max(dim=-1).indices)
+
+
+def test_argmax_rows_rejects_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="fp32 CPU tensor"):
+        cpu_kernels().argmax_rows(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="no columns"):
+        cpu_kernels().argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="2-D"):
+        cpu_kernels().argmax_rows(torch.zeros(8))

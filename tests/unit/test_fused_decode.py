@@ -118,7 +118,8 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         args.update(kw)
         return cpu_kernels().decode_layers(
             args["x"], args["weights"], args["kv"], args["scales"], args["slots"], tables, lens, pos, model.rope.cos, model.rope.sin,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.norm.eps, 0.25)
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.norm.eps, 0.25,
+            args.get("final_norm", torch.empty(0)))
 
     capacity = kv[0].shape[1] * kv[0].shape[2]
     kv[0][:, 0, 0].zero_()
@@ -128,6 +129,8 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         call(weights=weights[:-1])
     with pytest.raises(RuntimeError, match="one slot, position"):
         call(x=torch.randn(2, cfg.hidden_size))
+    with pytest.raises(RuntimeError, match="final_norm must be empty or"):
+        call(final_norm=torch.ones(cfg.hidden_size + 1))
     with pytest.raises(RuntimeError, match="KV scale tensors"):
         call(scales=[torch.zeros(1, dtype=torch.float16)])
     # fp16 scales given with fp32 caches: the caches are not int8.
@@ -138,3 +141,24 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         call(kv=int8, scales=[torch.zeros(c.shape[:4]) for c in kv])
     # A rejected call wrote nothing: the checks run before the first layer.
     assert torch.count_nonzero(kv[0][:, 0, 0]) == 0
+
+
+def test_single_stream_bench_splits_each_decode_step_into_its_parts(tiny_llama):
+    """bench.single_stream's clock: every decode step of a round goes through the one-call decoder and the LM
+    head once, and the rest of the step is what is left of its wall time; the same tokens with the clock on."""
+    from bench.single_stream import PhaseClock, one_round
+
+    llm = engine_llm(tiny_llama, cpu_prepack_weights=True)
+    prompt = prompts(1)[0]
+    want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    model = llm.engine.model
+    calls = []
+    layers = model._fused_decode_layers
+    model._fused_decode_layers = lambda *a, **kw: calls.append(1) or layers(*a, **kw)
+    clock = PhaseClock(model)
+    r = one_round(llm, clock, prompt, 6)
+    assert r["steps"] == 5 == len(calls)  # the prefill step is not a round's
+    assert r["layers_ms"] > 0 and r["head_ms"] > 0 and r["rest_ms"] > 0
+    assert r["layers_ms"] + r["head_ms"] + r["rest_ms"] == pytest.approx(r["step_ms"])
+    again = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert again == want

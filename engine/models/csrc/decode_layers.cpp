@@ -12,6 +12,8 @@
 //   h = rms_norm(x); qkv = h @ Wqkv (+ b); rope(q, k); K/V rows -> their cache slots;
 //   a = paged decode attention(q); x += a @ Wo; h = rms_norm(x); gu = h @ Wgu;
 //   gate = silu(gate) * up (in place, silu_mul_rows_); x += gate @ Wdown.
+// After the last layer, with a non-empty final_norm: the model's final RMSNorm of x (same epsilon), which
+// is then what the call returns (x itself is still updated in place); with an empty one, x.
 // With an int8 KV cache (kv_scales holds each layer's fp16 scales), new K/V rows are quantized as
 // engine/attention/kv_int8.py's quantize_rows does (absmax / 127 rounded to fp16, codes rounded half
 // to even) and attention reads the int8 pool (paged_decode_attention_int8, no full-precision ring).
@@ -38,7 +40,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> kv_scales, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t intermediate, double eps, double scale) {
+                            int64_t head_dim, int64_t intermediate, double eps, double scale, torch::Tensor final_norm) {
   constexpr size_t kPerLayer = 7;
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(weights.size() == kPerLayer * kv_caches.size(), "decode_layers: ", kPerLayer,
@@ -51,6 +53,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   TORCH_CHECK(slot_mapping.numel() == B && positions.numel() == B && seq_lens.numel() == B &&
                   block_tables.size(0) == B,
               "decode_layers: one slot, position, sequence length and block table per token");
+  TORCH_CHECK(final_norm.numel() == 0 || (final_norm.numel() == hidden && final_norm.scalar_type() == torch::kFloat),
+              "decode_layers: final_norm must be empty or ", hidden, " fp32 weights");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong,
               "decode_layers: slot_mapping and positions must be int64");
   auto slots_c = slot_mapping.contiguous();
@@ -120,5 +124,5 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     silu_mul_rows_(gate_up, intermediate);
     x.add_(panel_linear(gate_up.narrow(1, 0, intermediate), w.down, hidden, c10::nullopt));
   }
-  return x;
+  return final_norm.numel() > 0 ? rms_norm_rows(x, final_norm, eps) : x;
 }
