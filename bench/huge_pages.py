@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.huge_pages
     .venv/bin/python -m bench.huge_pages --batches 1 48 --rounds 5 --workload-rounds 0
 
-`memory.huge_pages` (engine/hugepages.py, off by default) keeps the KV cache and the weights a decode
-step streams (each linear's packed copy, else its fp32 weight) in one madvised region of 2 MiB pages
-instead of torch's 4 KiB ones. Three parts, each alternating its arms round after round in one
+`memory.huge_pages: true` (engine/hugepages.py) keeps the KV cache and the weights a decode step streams
+(each linear's packed copy, else its fp32 weight) in one madvised region of 2 MiB pages instead of torch's
+4 KiB ones; "auto", the default since 2026-12-05, does so for the weights alone, within a time budget
+(bench.single_stream measures that). Here the arms are false and true. Three parts, each alternating its arms round after round in one
 process (and the time each engine took to start, which huge pages lengthen where the kernel must
 compact memory to find them):
 

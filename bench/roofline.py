@@ -88,7 +88,7 @@ class ReadProbe:
 def measure_bandwidth(num_bytes: int, reps: int) -> tuple[float, float]:
     """(read GB/s from a sum, copy GB/s counting read + write) over a tensor far larger than any cache: the
     better of torch's 4 KiB pages and, where the host gives them, transparent huge pages (engine/hugepages.py,
-    where the engine keeps its KV cache and decode weights with `huge_pages: true`), so that the memory roof is
+    where the engine keeps its decode weights by default and its KV cache with `huge_pages: true`), so that the memory roof is
     this machine's best and not a page size's."""
     n = num_bytes // 4
     x = torch.rand(n)

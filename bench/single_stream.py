@@ -5,8 +5,8 @@
 
 One greedy request of 128 prompt tokens (bench.throughput's text) on bench.throughput's headline engine
 (fp32 panels: `cpu_prepack_weights: true, cpu_compact_weights: false`), in two engines in one process that
-differ only in `huge_pages` (false, the default; true: the weights a decode step streams and the KV cache in
-2 MiB pages), alternating round after round. Each round times its decode steps three ways: the one C++ call
+differ only in `huge_pages`: false (torch's 4 KiB pages) and "auto", the default (the weights a decode step
+streams in 2 MiB pages, found within a time budget), alternating round after round. Each round times its decode steps three ways: the one C++ call
 that runs every layer (decode_layers, the final norm included), the LM head (with its rows' gather), and the
 rest of the step (scheduling, inputs, embedding, sampling, detokenization: Python). Right before and right
 after each round a read probe (roofline.ReadProbe, the better of 4 KiB and huge pages) gives that round its
@@ -33,7 +33,7 @@ from bench.throughput import TEXT, decode_weight_bytes, progress_bar
 from engine import LLM, SamplingParams
 from engine.models.cpu_kernels import cpu_kernels
 
-ARMS = {"4 KiB pages (default)": False, "huge pages": True}
+ARMS = {"4 KiB pages (huge_pages false)": False, "weights in huge pages (huge_pages auto, the default)": "auto"}
 
 
 class PhaseClock:
@@ -142,7 +142,8 @@ def main() -> None:
     publish_table(
         "single_stream", "Where a single stream's decode step goes (SmolLM2-135M, fp32 panels, CPU)", data,
         f"one greedy request, 128 prompt tokens, {args.tokens} output tokens; two engines in one process, "
-        f"`huge_pages` false and true, alternating {args.rounds} rounds. Per round, the decode steps' mean split "
+        f"`huge_pages` false and auto (the default: the decode-streamed weights in huge pages), alternating "
+        f"{args.rounds} rounds. Per round, the decode steps' mean split "
         "into the one-call decoder (every layer and the final norm), the LM head, and the rest of the step "
         "(Python: scheduling, inputs, embedding, sampling, detokenization); each round's floor is "
         f"{weight_bytes / 2**20:.0f} MiB of weights over the better read rate of the probes right before and "

@@ -206,6 +206,18 @@ def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int,
     return out
 
 
+def pages_note(r: dict) -> str:
+    """How the run's headline engine kept its weights: `huge_pages` "auto" (the default from 2026-12-05 18:40
+    UTC; runs before it record nothing and ran with huge pages off)."""
+    setting = r.get("engine", {}).get("huge_pages", False)
+    if setting == "auto":
+        return ("The headline engine runs with the defaults' `huge_pages: auto`: the weights a decode step streams "
+                "in huge pages (with a bounded start-up cost), its KV cache in torch's 4 KiB pages.")
+    if setting is True:
+        return "The headline engine runs with `huge_pages: true`: its decode-streamed weights and KV cache in huge pages."
+    return "The headline engine keeps torch's 4 KiB pages (`huge_pages` off, the default of that run's day)."
+
+
 def decode_weight_bytes(model) -> int:
     """Weight bytes one decode step reads: each linear's packed copy where it has one (else its weight and
     bias), the LM head's likewise, and the norms; one row of the embedding table per token is left out."""
@@ -650,7 +662,7 @@ def write_docs(r: dict, tables) -> None:
         "the headline, which stays the engine that stores fp32, as a model without such weights would run; the "
         "defaults, `cpu_prepack_weights: auto` since 2026-12-05, keep packed copies only where they are compact, "
         "which for SmolLM2 is every weight, so this row), and with the KV cache and packed copies in transparent "
-        "huge pages (`huge_pages: true`, engine/hugepages.py; off by default). The memory read rate is the better "
+        f"huge pages (`huge_pages: true`, engine/hugepages.py). {pages_note(r)} The memory read rate is the better "
         "of a sum over torch's 4 KiB pages and over huge pages. "
         "HF static batches are left-padded, run to the batch's longest request and count only each request's "
         "requested tokens; `min_new_tokens = max_new_tokens` stops EOS from ending a row (it masks EOS, where the "
@@ -788,6 +800,7 @@ def main() -> None:
     r["ttft"] = run_ttft(llm, text_ids, s, args.seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     r["engine"]["prepacked_bytes"] = llm.engine.prepacked_bytes
+    r["engine"]["huge_pages"] = llm.engine.config.huge_pages
     del llm
     gc.collect()
     if not args.no_prepack:

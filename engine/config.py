@@ -66,10 +66,14 @@ class EngineConfig:
     # chunks over 256 rows and deterministic requests rebuild a layer's weight per call, token lookups
     # their rows); SmolLM2's weights drop from 605 MiB (fp32 weights plus the panels) to 92 MiB.
     cpu_free_plain_weights: bool = False
-    # CPU: keep the KV cache and the weights a decode step streams in transparent huge pages (2 MiB, asked
-    # for with madvise; engine/hugepages.py). Off by default: on the dev VM it made engine start up to 18 s
-    # slower (the kernel compacts memory to find the pages) for 1.00-1.14x on decode (bench.huge_pages).
-    huge_pages: bool = False
+    # CPU: transparent huge pages (2 MiB, asked for with madvise; engine/hugepages.py) for the bytes a decode
+    # step streams. "auto": the weights a decode step streams (each linear's packed copy, else its weight,
+    # and the LM head's), with at most WEIGHTS_HUGE_PAGE_BUDGET_S (engine_core.py) of engine start spent
+    # finding the pages; a single stream of SmolLM2's fp32 panels decodes 1.04-1.13x as fast
+    # (bench.single_stream). true: those weights without a time bound, and the KV cache too (on the dev VM
+    # the KV pool could make an engine start up to 18 s slower, where the kernel compacts memory to find
+    # the pages, for 1.00-1.03x on decode from batch 16 up: bench.huge_pages). false: torch's 4 KiB pages.
+    huge_pages: bool | str = "auto"
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
     activation_chunk_rows: int = 512
@@ -98,6 +102,8 @@ class EngineConfig:
         if not (self.cpu_prepack_weights is True or self.cpu_prepack_weights is False
                 or self.cpu_prepack_weights == "auto"):
             raise InvalidRequestError(f"cpu_prepack_weights must be true, false or 'auto', got {self.cpu_prepack_weights!r}")
+        if not (self.huge_pages is True or self.huge_pages is False or self.huge_pages == "auto"):
+            raise InvalidRequestError(f"huge_pages must be true, false or 'auto', got {self.huge_pages!r}")
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
         for name in positive:
             if getattr(self, name) < 1:

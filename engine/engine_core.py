@@ -45,6 +45,10 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+# huge_pages "auto": the most seconds an engine start spends faulting in huge pages for the decode-streamed
+# weights; a host that must compact memory to find them gets 4 KiB pages for the rest (engine/hugepages.py).
+WEIGHTS_HUGE_PAGE_BUDGET_S = 1.0
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -97,9 +101,14 @@ class EngineCore:
             log.info("packed weight copies: %.0f MiB in %.1f s", self.prepacked_bytes / 2**20, self.prepack_s)
         if config.huge_pages and self.device.type == "cpu":
             start = time.perf_counter()
-            if moved := self.model.move_decode_weights_to_huge_pages():
-                log.info("weights a decode step streams: %.0f MiB moved to huge pages in %.2f s", moved / 2**20,
-                         time.perf_counter() - start)
+            # "auto" bounds the time spent finding huge pages; the rest of the weights keep 4 KiB pages.
+            budget = WEIGHTS_HUGE_PAGE_BUDGET_S if config.huge_pages == "auto" else None
+            moved, huge = self.model.move_decode_weights_to_huge_pages(budget)
+            if moved:
+                log.info("weights a decode step streams: %.0f MiB moved in %.2f s, %.0f MiB of them in huge pages%s",
+                         moved / 2**20, time.perf_counter() - start, huge / 2**20,
+                         "" if huge >= moved else f" (the host took over {budget} s to find them; the rest "
+                         "keep 4 KiB pages)")
         if self.device.type == "cuda" and config.gpu_fused_kernels:
             self.model.enable_triton_fusions()
         if config.activation_chunk_rows:
@@ -108,7 +117,7 @@ class EngineCore:
         self.weight_bytes = weight_bytes(self.model)
         self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype)
         self.max_model_len = self.layout.max_model_len
-        self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages)
+        self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages is True)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
         # The deterministic prefill grid must fit in one step's budget (a derived value).
         bs = config.block_size

@@ -4,12 +4,14 @@ A decode step reads the whole KV cache of its batch and, at small batches, every
 MiB a step, in 4 KiB pages a TLB miss and a page walk every 4 KiB. Linux gives anonymous memory huge
 pages either always or, by default on many distributions (`/sys/kernel/mm/transparent_hugepage/enabled`
 = madvise), only where the process asks with madvise(MADV_HUGEPAGE) before the memory is first touched;
-torch's allocator never asks. The engine asks when `huge_pages` is on, which it is not by default:
-`.venv/bin/python -m bench.huge_pages` (2026-12-05, this repository's dev VM) read 1 GiB 1.19-1.25x as fast
-from huge pages, but the engine's kernels, which prefetch ahead in software, gained little (SmolLM2 decode
-steps 1.01-1.14x at batches 1-8, 1.00-1.03x from 16 up, the throughput workload within noise), and an
-engine could take up to 18 s longer to start where the kernel had to compact memory (THP defrag `madvise`)
-to find the pages.
+torch's allocator never asks. The engine asks for the weights a decode step streams by default
+(`huge_pages: auto`), spending at most a fixed budget of its start-up faulting them in, and for the KV
+cache too with `huge_pages: true`. `.venv/bin/python -m bench.single_stream` (2026-12-05, the AMD dev VM):
+a single stream of SmolLM2's fp32 panels decodes 1.04-1.13x as fast with its weights in huge pages (more
+where memory is fast, when 4 KiB pages hold the stream back most). `.venv/bin/python -m bench.huge_pages`
+(earlier that day, on the Intel VM before it) found the KV cache's huge pages worth little (decode steps
+1.00-1.03x from batch 16 up) and an engine start up to 18 s longer where the kernel had to compact memory
+(THP defrag `madvise`) to find pages for the KV pool, so the KV cache is not in the default.
 
 `HugePageArena` maps one private anonymous region, asks for huge pages, and hands out tensors
 carved from it, so that a set of tensors shares one region (a tensor of its own would round its
@@ -21,6 +23,7 @@ MADV_HUGEPAGE in this Python), `available()` is False and callers keep torch's a
 from __future__ import annotations
 
 import mmap
+import time
 from functools import cache
 from math import prod
 from pathlib import Path
@@ -49,9 +52,16 @@ def _aligned(n: int, to: int) -> int:
 
 
 class HugePageArena:
-    """One region of `nbytes` (rounded up to whole huge pages) that `take` carves tensors from, in order."""
+    """One region of `nbytes` (rounded up to whole huge pages) that `take` carves tensors from, in order.
 
-    def __init__(self, nbytes: int) -> None:
+    With `fault_budget_s`, the region's pages are faulted in right away, one huge page at a time, and once
+    that has taken longer than the budget (the first page is always asked for) the rest of the region stops asking for huge pages
+    (MADV_NOHUGEPAGE) and gets 4 KiB pages when first touched: a host that must compact memory to find huge
+    pages (THP defrag `madvise`) then delays the caller by about the budget, not by seconds per GiB.
+    `huge_bytes` is how much of the region was faulted in while huge pages were asked for (all of it
+    without a budget)."""
+
+    def __init__(self, nbytes: int, fault_budget_s: float | None = None) -> None:
         size = _aligned(max(nbytes, 1), HUGE_PAGE)
         # One huge page more, so that the region can start on a 2 MiB boundary: only whole, aligned
         # 2 MiB ranges of a mapping get huge pages.
@@ -62,6 +72,16 @@ class HugePageArena:
         start = -raw.data_ptr() % HUGE_PAGE
         self._bytes = raw[start:start + size]
         self._used = 0
+        self.huge_bytes = size
+        if fault_budget_s is not None:
+            began = time.perf_counter()
+            for offset in range(0, size, HUGE_PAGE):
+                self._bytes[offset:offset + HUGE_PAGE].zero_()  # faults the page in; it is zero already
+                done = offset + HUGE_PAGE
+                if done < size and time.perf_counter() - began > fault_budget_s:
+                    region.madvise(mmap.MADV_NOHUGEPAGE, start + done, size - done)
+                    self.huge_bytes = done
+                    break
 
     @property
     def capacity(self) -> int:
@@ -97,9 +117,10 @@ def zeros(specs: list[tuple[tuple[int, ...] | torch.Size, torch.dtype]]) -> list
     return out
 
 
-def arena_for(specs: list[tuple[tuple[int, ...] | torch.Size, torch.dtype]]) -> HugePageArena | None:
-    """An arena with room for tensors of these shapes and dtypes, taken in this order; None where huge pages
-    are unavailable (or nothing is asked for)."""
+def arena_for(specs: list[tuple[tuple[int, ...] | torch.Size, torch.dtype]],
+              fault_budget_s: float | None = None) -> HugePageArena | None:
+    """An arena with room for tensors of these shapes and dtypes, taken in this order (`fault_budget_s`: see
+    HugePageArena); None where huge pages are unavailable (or nothing is asked for)."""
     if not available() or not specs:
         return None
-    return HugePageArena(arena_bytes(specs))
+    return HugePageArena(arena_bytes(specs), fault_budget_s)

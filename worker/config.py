@@ -160,9 +160,10 @@ class MemoryConfig(_Section):
     cpu_compact_weights: bool = True
     # With compact panels: free the fp32 weights they hold (larger batches rebuild them per call).
     cpu_free_plain_weights: bool = False
-    # CPU: the KV cache and the weights a decode step streams in transparent huge pages (madvise); off by
-    # default (a much slower engine start for little gain on the dev VM: bench.huge_pages).
-    huge_pages: bool = False
+    # CPU: transparent huge pages (madvise) for what a decode step streams. "auto": the weights, with a bounded
+    # cost at engine start (faster single streams: bench.single_stream); true: the weights, unbounded, and the
+    # KV cache (a much slower engine start for little gain on the dev VM: bench.huge_pages); false: neither.
+    huge_pages: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",

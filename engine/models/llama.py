@@ -335,11 +335,13 @@ class LlamaForCausalLM(nn.Module):
         self._enable_fused_decode()
         return added
 
-    def move_decode_weights_to_huge_pages(self) -> int:
+    def move_decode_weights_to_huge_pages(self, fault_budget_s: float | None = None) -> tuple[int, int]:
         """Move the weights a CPU decode step streams into one region of transparent huge pages
         (engine/hugepages.py): each linear's panel-packed copy, else its fp32 weight, and the tied LM head's
         (its packed copy, else the table). One tensor at a time, each original freed as its copy lands, so
-        the peak is the region plus one tensor. Returns the bytes moved (0 where huge pages are unavailable)."""
+        the peak is the region plus one tensor. `fault_budget_s`: past it, the rest of the region takes 4 KiB
+        pages (HugePageArena). Returns the bytes moved and how many of the region's bytes had huge pages
+        asked for as they were faulted in ((0, 0) where huge pages are unavailable)."""
         slots: list[tuple[nn.Module, str]] = []
         for m in self.modules():
             if type(m) is Linear:
@@ -353,9 +355,9 @@ class LlamaForCausalLM(nn.Module):
                 slots.append((emb, "packed_head"))
             elif emb.packed_head is None and emb.weight.device.type == "cpu" and not emb.weight.is_meta:
                 slots.append((emb, "weight"))
-        arena = hugepages.arena_for([(getattr(m, a).shape, getattr(m, a).dtype) for m, a in slots])
+        arena = hugepages.arena_for([(getattr(m, a).shape, getattr(m, a).dtype) for m, a in slots], fault_budget_s)
         if arena is None:
-            return 0
+            return 0, 0
         moved = 0
         for m, attr in slots:
             old = getattr(m, attr)
@@ -366,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
         if self._fused_decode is not None:
             self._enable_fused_decode()  # its weight list held the old copies
         return_freed_memory()
-        return moved
+        return moved, min(arena.huge_bytes, moved)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

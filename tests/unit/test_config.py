@@ -360,9 +360,14 @@ def test_engine_config_mapping(tmp_path):
         assert load_config(write(tmp_path, text), env={}).engine_config().cpu_prepack_weights == value
         env = {"INFINILM__MEMORY__CPU_PREPACK_WEIGHTS": str(value).lower()}
         assert load_config(None, env=env).engine_config().cpu_prepack_weights == value
-    assert load_config(None, env={}).engine_config().huge_pages is False
-    assert load_config(write(tmp_path, "memory: {huge_pages: true}\n"), env={}).engine_config().huge_pages is True
-    assert load_config(None, env={"INFINILM__MEMORY__HUGE_PAGES": "true"}).engine_config().huge_pages is True
+    assert load_config(None, env={}).engine_config().huge_pages == "auto"
+    for value in (True, False, "auto"):
+        text = f"memory: {{huge_pages: {str(value).lower()}}}\n"
+        assert load_config(write(tmp_path, text), env={}).engine_config().huge_pages == value
+        env = {"INFINILM__MEMORY__HUGE_PAGES": str(value).lower()}
+        assert load_config(None, env=env).engine_config().huge_pages == value
+    with pytest.raises(ConfigError, match="huge_pages"):
+        load_config(write(tmp_path, "memory: {huge_pages: sometimes}\n"), env={})
 
 
 def test_worker_id_is_derived_not_stored():

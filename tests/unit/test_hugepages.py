@@ -53,6 +53,32 @@ def test_zeros_are_zero_and_live_in_huge_pages():
     assert huge_kib(a) >= 2048
 
 
+@needs_thp
+def test_a_fault_budget_faults_the_region_in_and_gives_the_rest_4k_pages_once_spent():
+    # A budget no fault can meet: the first huge page is faulted in, then the rest stops asking for huge pages.
+    spent = hugepages.HugePageArena(8 * hugepages.HUGE_PAGE, fault_budget_s=0.0)
+    assert spent.huge_bytes == hugepages.HUGE_PAGE
+    t = spent.take((8 * hugepages.HUGE_PAGE,), torch.uint8)
+    assert not t.any()
+    t.fill_(1)  # every page touched: the ones past the budget came as 4 KiB pages
+    assert huge_kib(t) <= 2048
+    # A budget that holds: every page faulted in with huge pages asked for (the host may still give fewer).
+    roomy = hugepages.HugePageArena(8 * hugepages.HUGE_PAGE, fault_budget_s=60.0)
+    assert roomy.huge_bytes == roomy.capacity
+    u = roomy.take((8 * hugepages.HUGE_PAGE,), torch.uint8)
+    assert not u.any()
+    assert huge_kib(u) >= 2048
+
+
+def test_huge_pages_must_be_true_false_or_auto():
+    from engine.config import EngineConfig
+    from engine.errors import InvalidRequestError
+
+    assert EngineConfig(model="m").huge_pages == "auto"
+    with pytest.raises(InvalidRequestError, match="huge_pages must be true, false or 'auto'"):
+        EngineConfig(model="m", huge_pages="yes")
+
+
 def test_without_huge_pages_callers_keep_torch_allocations(monkeypatch):
     monkeypatch.setattr(hugepages, "available", lambda: False)
     assert hugepages.arena_for([((4,), torch.float32)]) is None
@@ -81,6 +107,7 @@ def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge
 
     assert carved(kv(huge)) and huge_kib(kv(huge)) > 0
     assert not carved(kv(plain))  # huge_pages false keeps torch's own allocation
+    assert not carved(plain.engine.model.layers[0].self_attn.qkv_proj.weight)
     # The weights a decode step streams moved too: each linear's packed copy, else its weight.
     qkv = huge.engine.model.layers[0].self_attn.qkv_proj
     assert type(qkv) is Linear
@@ -88,3 +115,21 @@ def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge
     assert carved(streamed) and huge_kib(streamed) > 0
     if huge.engine.model._fused_decode is not None:  # the one-call decoder reads the moved copies
         assert any(w.data_ptr() == qkv.packed.data_ptr() for w in huge.engine.model._fused_decode)
+
+
+@needs_thp
+def test_by_default_only_the_decode_streamed_weights_move_to_huge_pages():
+    """huge_pages "auto", the default: the weights a decode step streams move (within a time budget), the KV
+    cache keeps torch's own allocation, and the tokens are those of an engine without huge pages."""
+    kw = dict(model="smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False,
+              cpu_prepack_weights=True, cpu_compact_weights=False)
+    auto, plain = LLM(**kw), LLM(huge_pages=False, **kw)
+    assert auto.engine.config.huge_pages == "auto"
+    qkv = auto.engine.model.layers[0].self_attn.qkv_proj
+    assert qkv.packed.untyped_storage().nbytes() > qkv.packed.numel() * 4  # carved from the arena
+    assert huge_kib(qkv.packed) > 0
+    kv = auto.engine.kv_caches[0]
+    assert kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()
+    prompts = ["The GNU General Public License is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in auto.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
