@@ -69,8 +69,8 @@ class EngineConfig:
     # CPU: transparent huge pages (2 MiB, asked for with madvise; engine/hugepages.py) for the bytes a decode
     # step streams. "auto": the weights a decode step streams (each linear's packed copy, else its weight,
     # and the LM head's), with at most WEIGHTS_HUGE_PAGE_BUDGET_S (engine_core.py) of engine start spent
-    # finding the pages; a single stream of SmolLM2's fp32 panels decodes 1.04-1.13x as fast
-    # (bench.single_stream). true: those weights without a time bound, and the KV cache too (on the dev VM
+    # finding the pages; a single stream of SmolLM2's fp32 panels decodes 1.07-1.10x as fast
+    # (bench.single_stream, 2026-12-05 19:07 UTC). true: those weights without a time bound, and the KV cache too (on the dev VM
     # the KV pool could make an engine start up to 18 s slower, where the kernel compacts memory to find
     # the pages, for 1.00-1.03x on decode from batch 16 up: bench.huge_pages). false: torch's 4 KiB pages.
     huge_pages: bool | str = "auto"

@@ -7,8 +7,8 @@ pages either always or, by default on many distributions (`/sys/kernel/mm/transp
 torch's allocator never asks. The engine asks for the weights a decode step streams by default
 (`huge_pages: auto`), spending at most a fixed budget of its start-up faulting them in, and for the KV
 cache too with `huge_pages: true`. `.venv/bin/python -m bench.single_stream` (2026-12-05, the AMD dev VM):
-a single stream of SmolLM2's fp32 panels decodes 1.04-1.13x as fast with its weights in huge pages (more
-where memory is fast, when 4 KiB pages hold the stream back most). `.venv/bin/python -m bench.huge_pages`
+a single stream of SmolLM2's fp32 panels decodes 1.07x as fast with its weights in huge pages where
+memory is slow and about 1.1x where it is fast (19:07 UTC). `.venv/bin/python -m bench.huge_pages`
 (earlier that day, on the Intel VM before it) found the KV cache's huge pages worth little (decode steps
 1.00-1.03x from batch 16 up) and an engine start up to 18 s longer where the kernel had to compact memory
 (THP defrag `madvise`) to find pages for the KV pool, so the KV cache is not in the default.
@@ -55,9 +55,9 @@ class HugePageArena:
     """One region of `nbytes` (rounded up to whole huge pages) that `take` carves tensors from, in order.
 
     With `fault_budget_s`, the region's pages are faulted in right away, one huge page at a time, and once
-    that has taken longer than the budget (the first page is always asked for) the rest of the region stops asking for huge pages
-    (MADV_NOHUGEPAGE) and gets 4 KiB pages when first touched: a host that must compact memory to find huge
-    pages (THP defrag `madvise`) then delays the caller by about the budget, not by seconds per GiB.
+    that has taken longer than the budget (after the first page at least) the rest of the region stops asking
+    for huge pages (MADV_NOHUGEPAGE) and gets 4 KiB pages when first touched: a host that must compact memory
+    to find huge pages (THP defrag `madvise`) then delays the caller by about the budget, not by seconds per GiB.
     `huge_bytes` is how much of the region was faulted in while huge pages were asked for (all of it
     without a budget)."""
 

@@ -183,13 +183,13 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
       float best = x[0];
       bool nan = false;
 #if defined(__AVX512F__)
-      if (V >= 16) {
+      if (V >= 16 && V <= INT32_MAX) {  // lane indices are int32
         __m512 mx = _mm512_loadu_ps(x);
         __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i cur = mi;
         const __m512i step = _mm512_set1_epi32(16);
         __mmask16 unordered = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
-        for (v = 16; v + 16 <= V && V < (int64_t{1} << 31); v += 16) {
+        for (v = 16; v + 16 <= V; v += 16) {
           cur = _mm512_add_epi32(cur, step);
           const __m512 xv = _mm512_loadu_ps(x + v);
           unordered |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
@@ -207,12 +207,10 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
           best_i = ids[0];
           for (int l = 1; l < 16; ++l)
             if (vals[l] > best || (vals[l] == best && ids[l] < best_i)) best = vals[l], best_i = ids[l];
-        } else {
-          v = 0;
         }
       }
 #endif
-      if (v == 0) v = 1;
+      if (v == 0) v = 1;  // x[0] is the maximum so far
       for (; v < V && !nan; ++v) {
         if (std::isnan(x[v])) nan = true;
         else if (x[v] > best) best = x[v], best_i = v;
