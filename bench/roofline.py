@@ -68,7 +68,7 @@ def measure_gemm(m: int, k: int, n: int, reps: int) -> float:
 
 
 class ReadProbe:
-    """The read rate of this moment (GB/s, the better of 4 KiB and huge pages, as measure_bandwidth): its
+    """The read rate of this moment (GB/s, the better of 4 KiB and huge pages; measure_bandwidth's read): its
     tensors are allocated once, so that it can run right before and after each round of a measurement whose
     memory floor it gives. On a shared VM the rate moves by up to 2x within seconds (36 to 63 GB/s on the dev
     VM of 2026-12-05), so a floor read minutes away from what it bounds can sit on either side of it."""
@@ -86,22 +86,21 @@ class ReadProbe:
 
 
 def measure_bandwidth(num_bytes: int, reps: int) -> tuple[float, float]:
-    """(read GB/s from a sum, copy GB/s counting read + write) over a tensor far larger than any cache: the
+    """(read GB/s from a sum, copy GB/s counting read + write) over tensors far larger than any cache: the
     better of torch's 4 KiB pages and, where the host gives them, transparent huge pages (engine/hugepages.py,
-    where the engine keeps its decode weights by default and its KV cache with `huge_pages: true`), so that the memory roof is
-    this machine's best and not a page size's."""
+    where the engine keeps its decode weights by default and its KV cache with `huge_pages: true`), so that the
+    memory roof is this machine's best and not a page size's. The read is a ReadProbe's."""
+    read = ReadProbe(num_bytes)(reps)
     n = num_bytes // 4
-    x = torch.rand(n)
+    x = torch.ones(n)
     y = torch.empty_like(x)
-    read = _best_time(x.sum, reps)
     copy = _best_time(lambda: y.copy_(x), reps)
     if hugepages.available():
         hx, hy = hugepages.zeros([((n,), torch.float32), ((n,), torch.float32)])
-        hx.copy_(x)
+        hx.fill_(1.0)
         del x, y
-        read = min(read, _best_time(hx.sum, reps))
         copy = min(copy, _best_time(lambda: hy.copy_(hx), reps))
-    return num_bytes / read / 1e9, 2 * num_bytes / copy / 1e9
+    return read, 2 * n * 4 / copy / 1e9
 
 
 def measure_machine(reps: int, on_step: Callable[[], None] = lambda: None) -> MachineRates:
