@@ -41,23 +41,18 @@ class PhaseClock:
 
     def __init__(self, model) -> None:
         self.layers = self.head = 0.0
-        layers, head = model._fused_decode_layers, model.compute_logits
+        model._fused_decode_layers = self._timed(model._fused_decode_layers, "layers")
+        model.compute_logits = self._timed(model.compute_logits, "head")
 
-        def timed_layers(*a, **kw):
+    def _timed(self, fn, phase: str):
+        def timed(*a, **kw):
             t = time.perf_counter()
             try:
-                return layers(*a, **kw)
+                return fn(*a, **kw)
             finally:
-                self.layers += time.perf_counter() - t
+                setattr(self, phase, getattr(self, phase) + time.perf_counter() - t)
 
-        def timed_head(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return head(*a, **kw)
-            finally:
-                self.head += time.perf_counter() - t
-
-        model._fused_decode_layers, model.compute_logits = timed_layers, timed_head
+        return timed
 
     def reset(self) -> None:
         self.layers = self.head = 0.0
