@@ -32,6 +32,8 @@ from engine.models.linear import (
 )
 from engine.models.rope import RotaryEmbedding
 
+_EMPTY = torch.empty(0)  # an absent optional tensor argument of the compiled kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -217,11 +219,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
+        if (not self.triton_fusions and self._fused_decode is not None
+                and self._fused_decode_applies(input_ids.shape[0], meta)):
+            # The final norm included, and the embedding lookup too where the table is a plain fp32 one.
+            table = self._fused_token_table()
+            x = input_ids if table is not None else self.embed_tokens(input_ids)
+            return self._fused_decode_layers(x, positions, kv_caches, meta, table)
         x = self.embed_tokens(input_ids)
         if self.triton_fusions:
             return self._triton_layers(x, positions, kv_caches, meta)
-        if self._fused_decode is not None and self._fused_decode_applies(x, meta):
-            return self._fused_decode_layers(x, positions, kv_caches, meta)  # the final norm included
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
@@ -264,14 +270,25 @@ class LlamaForCausalLM(nn.Module):
     # decode-only step in one C++ call (engine/models/csrc/decode_layers.cpp); set by prepack_weights.
     _fused_decode: list[torch.Tensor] | None = None
 
-    def _fused_decode_applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        rows = x.shape[0]
+    def _fused_decode_applies(self, rows: int, meta: AttentionMetadata) -> bool:
         workspace = self.layers[0].mlp.workspace
         return (not meta.prefills and meta.kv_window is None and meta.num_decodes == rows
                 and 0 < rows <= PANEL_MAX_ROWS and (workspace is None or rows <= workspace.rows)
                 and not torch.is_grad_enabled() and not invariant_enabled())
 
-    def _fused_decode_layers(self, x, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def _fused_token_table(self) -> torch.Tensor | None:
+        """The embedding table, where decode_layers can gather the step's rows from it itself: a plain fp32 table
+        on the CPU (not quantized, offloaded or freed)."""
+        emb = self.embed_tokens
+        if type(emb) is not Embedding:
+            return None
+        w = emb.weight
+        if w.is_meta or w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
+            return None
+        return w.detach()
+
+    def _fused_decode_layers(self, x, positions, kv_caches, meta: AttentionMetadata,
+                             token_table: torch.Tensor | None = None) -> torch.Tensor:
         cfg, attn = self.config, self.layers[0].self_attn
         if isinstance(kv_caches[0], torch.Tensor):
             values, scales = kv_caches, []
@@ -280,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
         return cpu_kernels().decode_layers(
             x.contiguous(), self._fused_decode, values, scales, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach())
+            cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach(),
+            token_table if token_table is not None else _EMPTY)
 
     def _enable_fused_decode(self) -> bool:
         """Run decode-only steps through decode_layers where it computes exactly what the layers do:

@@ -119,7 +119,7 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         return cpu_kernels().decode_layers(
             args["x"], args["weights"], args["kv"], args["scales"], args["slots"], tables, lens, pos, model.rope.cos, model.rope.sin,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.norm.eps, 0.25,
-            args.get("final_norm", torch.empty(0)))
+            args.get("final_norm", torch.empty(0)), args.get("token_table", torch.empty(0)))
 
     capacity = kv[0].shape[1] * kv[0].shape[2]
     kv[0][:, 0, 0].zero_()
@@ -129,6 +129,13 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         call(weights=weights[:-1])
     with pytest.raises(RuntimeError, match="one slot, position"):
         call(x=torch.randn(2, cfg.hidden_size))
+    table = model.embed_tokens.weight.detach()
+    with pytest.raises(RuntimeError, match="token id 9999999 outside the vocabulary"):
+        call(x=torch.tensor([9999999]), token_table=table)
+    with pytest.raises(RuntimeError, match="x must be int64 token ids"):
+        call(token_table=table)
+    with pytest.raises(RuntimeError, match="token_table must be a contiguous fp32"):
+        call(x=torch.tensor([3]), token_table=table.half())
     with pytest.raises(RuntimeError, match="final_norm must be empty or"):
         call(final_norm=torch.ones(cfg.hidden_size + 1))
     with pytest.raises(RuntimeError, match="KV scale tensors"):

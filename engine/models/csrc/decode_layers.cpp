@@ -12,6 +12,8 @@
 //   h = rms_norm(x); qkv = h @ Wqkv (+ b); rope(q, k); K/V rows -> their cache slots;
 //   a = paged decode attention(q); x += a @ Wo; h = rms_norm(x); gu = h @ Wgu;
 //   gate = silu(gate) * up (in place, silu_mul_rows_); x += gate @ Wdown.
+// With a non-empty token_table (the embedding table, fp32 [vocab, hidden]), x holds the step's token ids and
+// their rows are gathered here (the same values as the embedding lookup), saving the interpreter a call.
 // After the last layer, with a non-empty final_norm: the model's final RMSNorm of x (same epsilon), which
 // is then what the call returns (x itself is still updated in place); with an empty one, x.
 // With an int8 KV cache (kv_scales holds each layer's fp16 scales), new K/V rows are quantized as
@@ -40,12 +42,29 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<torch::Tensor> kv_scales, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t intermediate, double eps, double scale, torch::Tensor final_norm) {
+                            int64_t head_dim, int64_t intermediate, double eps, double scale, torch::Tensor final_norm,
+                            torch::Tensor token_table) {
   constexpr size_t kPerLayer = 7;
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(weights.size() == kPerLayer * kv_caches.size(), "decode_layers: ", kPerLayer,
               " weights per layer expected (norm, qkv, qkv bias, o, norm, gate_up, down), got ", weights.size(),
               " for ", layers, " layers");
+  if (token_table.numel() > 0) {  // x holds token ids: their rows of the embedding table are the input
+    TORCH_CHECK(token_table.dim() == 2 && token_table.is_contiguous() && token_table.scalar_type() == torch::kFloat,
+                "decode_layers: token_table must be a contiguous fp32 [vocab, hidden] tensor");
+    TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kLong, "decode_layers: with a token_table, x must be "
+                "int64 token ids [tokens]");
+    const int64_t V = token_table.size(0), D = token_table.size(1), n = x.size(0);
+    auto ids = x.contiguous();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t b = 0; b < n; ++b)
+      TORCH_CHECK(id[b] >= 0 && id[b] < V, "decode_layers: token id ", id[b], " outside the vocabulary [0, ", V, ")");
+    auto rows = torch::empty({n, D}, token_table.options());
+    const float* table = token_table.data_ptr<float>();
+    float* out = rows.data_ptr<float>();
+    for (int64_t b = 0; b < n; ++b) std::memcpy(out + b * D, table + id[b] * D, D * sizeof(float));
+    x = rows;
+  }
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "decode_layers: x must be a "
               "contiguous fp32 [tokens, hidden] tensor");
   const int64_t B = x.size(0), hidden = x.size(1);
