@@ -7,8 +7,8 @@ One greedy request of 128 prompt tokens (bench.throughput's text) on bench.throu
 (fp32 panels: `cpu_prepack_weights: true, cpu_compact_weights: false`), in two engines in one process that
 differ only in `huge_pages`: false (torch's 4 KiB pages) and "auto", the default (the weights a decode step
 streams in 2 MiB pages, found within a time budget), alternating round after round. Each round times its decode steps three ways: the one C++ call
-that runs every layer (decode_layers, the final norm included), the LM head (with its rows' gather), and the
-rest of the step (scheduling, inputs, embedding, sampling, detokenization: Python). Right before and right
+that runs every layer (decode_layers, the embedding lookup and the final norm included), the LM head, and the
+rest of the step (scheduling, inputs, sampling, detokenization: Python). Right before and right
 after each round a read probe (roofline.ReadProbe, the better of 4 KiB and huge pages) gives that round its
 own floor: the weight bytes a step reads over the read rate. This VM's read rate moves by up to 2x within
 seconds, so a round's share of its floor is the figure to trust, not a comparison across rounds.
@@ -139,8 +139,8 @@ def main() -> None:
         f"one greedy request, 128 prompt tokens, {args.tokens} output tokens; two engines in one process, "
         f"`huge_pages` false and auto (the default: the decode-streamed weights in huge pages), alternating "
         f"{args.rounds} rounds. Per round, the decode steps' mean split "
-        "into the one-call decoder (every layer and the final norm), the LM head, and the rest of the step "
-        "(Python: scheduling, inputs, embedding, sampling, detokenization); each round's floor is "
+        "into the one-call decoder (the embedding lookup, every layer and the final norm), the LM head, and the "
+        "rest of the step (Python: scheduling, inputs, sampling, detokenization); each round's floor is "
         f"{weight_bytes / 2**20:.0f} MiB of weights over the better read rate of the probes right before and "
         "right after it. Medians over rounds, each column on its own.",
         "Median over rounds", headers, rows,
