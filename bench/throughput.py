@@ -207,7 +207,7 @@ def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int,
 
 
 def pages_note(r: dict) -> str:
-    """How the run's headline engine kept its weights: `huge_pages` "auto" (the default from 2026-12-05 18:40
+    """How the run's headline engine kept its weights: `huge_pages` "auto" (the default from 2026-12-05 18:25
     UTC; runs before it record nothing and ran with huge pages off)."""
     setting = r.get("engine", {}).get("huge_pages", False)
     if setting == "auto":
