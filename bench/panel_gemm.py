@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.panel_gemm
     .venv/bin/python -m bench.panel_gemm --rows 1 32 64 --rounds 5
     .venv/bin/python -m bench.panel_gemm --base 9ccb5af   # also the kernel as it was at that commit
+    .venv/bin/python -m bench.panel_gemm --huge-pages     # packed copies in huge pages, as the engine keeps them
 
 One pass = every linear of SmolLM2-135M for one step of `rows` tokens: 30 layers' qkv, o_proj,
 gate_up and down weights (random, distinct per layer, so that as in the model they stream from
@@ -13,7 +14,8 @@ oneDNN on its packed copy (what `cpu_prepack_weights` kept before the panel kern
 panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPUs). With
 `--base REV`, two more arms, both calling the kernel directly (without `linear`'s Python
 dispatch): this tree's panel kernel, and the one built from engine/models/csrc/panel_gemm.cpp at
-git revision REV on its own packing, whose outputs must equal this tree's bitwise. Medians over
+git revision REV (reading the same packed copy, where the two revisions pack alike), whose outputs must
+equal this tree's bitwise. Rounds alternate the arms' order. Medians over
 the rounds are compared. Writes bench/results/panel_gemm.json and its section of
 docs/BENCHMARKS.md.
 """
@@ -30,6 +32,7 @@ import torch
 
 from bench.report import publish_table, run_info, write_json
 from bench.throughput import progress_bar
+from engine import hugepages
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o_proj, gate_up, down: (out, in)
 HEAD_SHAPE = (49152, 576)
@@ -84,7 +87,12 @@ def main() -> None:
     ap.add_argument("--base", metavar="REV",
                     help="also time the panel kernel as it was at git revision REV (a fourth arm; its outputs must "
                          "equal this tree's bitwise)")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="keep the panel kernel's packed copies in transparent huge pages, as the engine keeps the "
+                         "weights a decode step streams (memory.huge_pages auto); default: torch's 4 KiB pages")
     args = ap.parse_args()
+    if args.huge_pages and not hugepages.available():
+        sys.exit("--huge-pages: this host gives no transparent huge pages to madvised memory")
     if bad := [r for r in args.rows if not 1 <= r <= 256]:
         sys.exit(f"--rows must be between 1 and 256 (the packed copies' range), got {bad}")
     torch.set_num_threads(args.threads)
@@ -104,9 +112,16 @@ def main() -> None:
     seconds: dict[int, dict[str, list[float]]] = {r: {a: [] for a in arms} for r in args.rows}
     with torch.inference_mode():
         weights = build_weights(0)
+        if args.huge_pages:
+            arena = hugepages.HugePageArena(hugepages.arena_bytes([(w["panel"].shape, w["panel"].dtype) for w in weights]))
+            for w in weights:
+                w["panel"] = arena.take(w["panel"].shape, w["panel"].dtype).copy_(w["panel"])
         if base is not None:
             for w in weights:
-                w["base"], w["direct"] = base.pack_panels(w["plain"]), w["panel"]
+                # Where the two revisions pack alike, both kernels read the same copy: separate copies sit at
+                # different physical memory, which on the dev VM alone made identical kernels differ by ~10%.
+                packed = base.pack_panels(w["plain"])
+                w["base"], w["direct"] = (w["panel"] if torch.equal(packed, w["panel"]) else packed), w["panel"]
         with progress_bar("panel kernel A/B/C", len(args.rows) * args.rounds) as advance:
             for rows in args.rows:
                 g = torch.Generator().manual_seed(rows)
@@ -115,8 +130,8 @@ def main() -> None:
                     one_pass(weights, xs, arm, base)
                 if base is not None:
                     check_base(weights, xs, base)
-                for _ in range(args.rounds):
-                    for arm in arms:
+                for r in range(args.rounds):
+                    for arm in (arms if r % 2 == 0 else reversed(arms)):  # no arm always follows the same one
                         seconds[rows][arm].append(one_pass(weights, xs, arm, base))
                     advance()
     medians = {r: {a: statistics.median(v) for a, v in by_arm.items()} for r, by_arm in seconds.items()}
@@ -131,10 +146,12 @@ def main() -> None:
         table.append((rows, *(f"{m[a] * 1e3:.1f}" for a in arms), f"{flops_per_row * rows / m['panel'] / 1e9:.0f}",
                       f"{m['plain'] / m['panel']:.2f}×", f"{m['onednn'] / m['panel']:.2f}×",
                       *([f"{m['base'] / m['direct']:.2f}×"] if base is not None else [])))
+    pages = "transparent huge pages" if args.huge_pages else "torch's 4 KiB pages"
     title = "All linears of one SmolLM2-135M step (30 layers + LM head), medians of alternating rounds"
     publish_table(
         "panel_gemm", "Panel GEMM kernel: the linears of a decode step", data,
-        f"fp32, weights distinct per layer so that they stream from memory as in the model; the {len(arms)} arms "
+        f"fp32, weights distinct per layer so that they stream from memory as in the model, the panel kernel's "
+        f"packed copies in {pages}; the {len(arms)} arms "
         f"alternate {args.rounds} times per row count in one process and the medians are compared. Lower ms is "
         "faster; the ratios are speed-ups of the panel kernel"
         + (f" (the last: this tree's kernel over the one at {args.base}, both called directly, outputs bitwise "

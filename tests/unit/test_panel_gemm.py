@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import hugepages
 from engine.models import linear as lin
 from engine.models.cpu_kernels import cpu_kernels
 
@@ -42,6 +43,24 @@ def test_rows_are_independent_of_the_batch():
     full = cpu_kernels().panel_linear(x, packed, 75, b)
     for start, stop in [(0, 1), (5, 17), (40, 90), (199, 200), (0, 199)]:
         assert torch.equal(cpu_kernels().panel_linear(x[start:stop], packed, 75, b), full[start:stop])
+
+
+def test_calls_below_eight_rows_prefetch_page_heads_and_compute_the_same_bits():
+    # Fewer than 8 rows take the tile that prefetches 4 KiB page heads instead of the next panel; the panels here
+    # span many pages (in_features 1536: 192 KiB each), in torch's pages and, where the host has them, in huge
+    # pages. Only where lines go to L2 changes: each row's result is the 16-row call's, bit for bit.
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(16, 1536, generator=g), torch.randn(130, 1536, generator=g), torch.randn(130, generator=g)
+    packed = cpu_kernels().pack_panels(w)
+    copies = [packed]
+    if hugepages.available():
+        (huge,) = hugepages.zeros([(packed.shape, packed.dtype)])
+        copies.append(huge.copy_(packed))
+    full = cpu_kernels().panel_linear(x, packed, 130, b)
+    torch.testing.assert_close(full, reference(x, w, b), rtol=1e-5, atol=1e-4 * 1536 ** 0.5)
+    for copy in copies:
+        for rows in range(1, 10):
+            assert torch.equal(cpu_kernels().panel_linear(x[16 - rows:], copy, 130, b), full[16 - rows:]), rows
 
 
 def test_non_contiguous_input_and_zero_rows():

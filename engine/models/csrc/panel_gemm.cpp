@@ -26,8 +26,21 @@ namespace panel_gemm {
 
 constexpr int64_t kCols = 32;
 constexpr int kMaxTileRows = 12;
+// Calls with fewer rows prefetch page heads (tile's PF = kPageHeads) rather than the next panel.
+constexpr int64_t kPageHeadRows = 8;
+constexpr int kPageHeads = 3;
+// How far ahead of a tile's loads the page heads go (4 pages of 4 KiB).
+constexpr int64_t kPageHeadAhead = 16384;
 
-// The tile sends the first `lines` lines from `prefetch` to L2: PF = 1 or 2 a K step from k = 0 (lines <= PF * K);
+// PF = kPageHeads (calls of fewer than kPageHeadRows rows): the tile sends `prefetch` nothing, and instead, each
+// time its loads are kPageHeadAhead bytes short of a 4 KiB boundary, the first two lines past that boundary to L2.
+// Such a call is bound by the weight stream alone (a K step is a few cycles), and each thread reads one
+// contiguous run of panels: the hardware prefetcher carries the stream within a page but does not cross into
+// the next 4 KiB page, and two lines there restart it early. Against the spread prefetches of the next panel,
+// on the AMD EPYC dev VM (30 layers' linears and the LM head, 65-69 GB/s moments; ad hoc, then
+// bench.panel_gemm): 1.10x at 1 row, 1.14x at 2, 1.04x at 4 in 4 KiB pages; 1.10x, 1.27x, 1.17x in huge
+// pages, where leaving the tile no prefetch at all does about as well as page heads.
+// Otherwise the tile sends the first `lines` lines from `prefetch` to L2: PF = 1 or 2 a K step from k = 0 (lines <= PF * K);
 // PF = 0 spreads fewer lines than steps evenly over the steps, one every K / lines (16.16 fixed point).
 // Bunched into the first steps, a share asks for lines faster than one core's misses can be served (one
 // a step is about the core's whole memory rate at 12-row tiles); the likely cost is the tile's own loads
@@ -40,10 +53,19 @@ static void tile(const float* a, int64_t lda, const float* panel, int64_t K, flo
     acc0[i] = _mm512_setzero_ps();
     acc1[i] = _mm512_setzero_ps();
   }
-  const int64_t steps = PF > 0 ? lines / (PF > 0 ? PF : 1) : 0;
+  const int64_t steps = PF == 1 || PF == 2 ? lines / PF : 0;
   const int64_t gap = PF == 0 && lines > 0 ? (K << 16) / lines : 0;
   int64_t issued = 0, next = PF == 0 && lines > 0 ? 0 : K;
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel) + kPageHeadAhead;
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (PF == kPageHeads) {
+      const uintptr_t at = ahead + 4 * kCols * k;  // a step reads 128 bytes: one step a page lands here
+      if ((at & 4095) < 4 * kCols) {
+        const char* head = reinterpret_cast<const char*>(at & ~uintptr_t{4095});
+        _mm_prefetch(head, _MM_HINT_T1);
+        _mm_prefetch(head + 64, _MM_HINT_T1);
+      }
+    }
     if (k < steps) {
       _mm_prefetch(prefetch + 64 * PF * k, _MM_HINT_T1);
       if (PF == 2) _mm_prefetch(prefetch + 64 * PF * k + 64, _MM_HINT_T1);
@@ -71,13 +93,15 @@ static void tile(const float* a, int64_t lda, const float* panel, int64_t K, flo
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, __mmask16,
                         __mmask16, const char*, int64_t);
 // [PF][rows]
-static const TileFn kTiles[3][kMaxTileRows + 1] = {
+static const TileFn kTiles[4][kMaxTileRows + 1] = {
     {nullptr, tile<1, 0>, tile<2, 0>, tile<3, 0>, tile<4, 0>, tile<5, 0>, tile<6, 0>, tile<7, 0>, tile<8, 0>,
      tile<9, 0>, tile<10, 0>, tile<11, 0>, tile<12, 0>},
     {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<8, 1>,
      tile<9, 1>, tile<10, 1>, tile<11, 1>, tile<12, 1>},
     {nullptr, tile<1, 2>, tile<2, 2>, tile<3, 2>, tile<4, 2>, tile<5, 2>, tile<6, 2>, tile<7, 2>, tile<8, 2>,
-     tile<9, 2>, tile<10, 2>, tile<11, 2>, tile<12, 2>}};
+     tile<9, 2>, tile<10, 2>, tile<11, 2>, tile<12, 2>},
+    {nullptr, tile<1, kPageHeads>, tile<2, kPageHeads>, tile<3, kPageHeads>, tile<4, kPageHeads>, tile<5, kPageHeads>,
+     tile<6, kPageHeads>, tile<7, kPageHeads>, nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1)); }
 
@@ -371,13 +395,16 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   float* yp = y.data_ptr<float>();
   // Rows split into equal tiles of at most 12 (50 rows: five of 10, not four of 12 and one of 2).
   const int64_t ntiles = (M + kMaxTileRows - 1) / kMaxTileRows, per = (M + ntiles - 1) / ntiles;
-  // Each tile prefetches its share of the next panel into L2, spread over its K steps: one line per step,
+  // From kPageHeadRows rows up (and for compact panels), each tile prefetches its share of the next panel
+  // into L2, spread over its K steps: one line per step,
   // or two where a single tile holds every row from 4 rows up (the panel's lines are 2 x K, so one line
   // per step would leave half of it to the hardware prefetcher). Below 4 rows a step is too short for two.
   // From 3 tiles up a share is fewer lines than steps, and goes out evenly over all of them (tile<.., 0>):
   // 1.06-1.14x at 32-64 rows over sending one a step from k = 0, bitwise the same.
   // `.venv/bin/python -m bench.panel_gemm --base REV` times this against an earlier commit's kernel.
-  const int64_t panel_lines = panel_bytes / 64;
+  // Below kPageHeadRows rows, fp32 panels' tiles send page heads instead (tile<.., kPageHeads>, which says why).
+  const bool page_heads = !compact && M < kPageHeadRows;
+  const int64_t panel_lines = page_heads ? 0 : panel_bytes / 64;
   const int64_t pf = ntiles == 1 && M >= 4 ? 2 : 1;
   const int64_t share = std::min((panel_lines + ntiles - 1) / ntiles, pf * K);  // lines per tile
   // A compact panel is rebuilt into the thread's scratch first (rebuild_panel); the tiles then prefetch the
@@ -423,7 +450,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
           ahead = next + 64 * t * share;
           lines = std::max<int64_t>(0, std::min(share, panel_lines - t * share));
         }
-        const TileFn fn = kTiles[lines < pf * K ? 0 : pf][rows];
+        const TileFn fn = kTiles[page_heads ? kPageHeads : (lines < pf * K ? 0 : pf)][rows];
         fn(xp + m * lda, lda, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr, m0, m1, ahead, lines);
       }
     }
