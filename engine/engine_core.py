@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 # huge_pages "auto": the most seconds an engine start spends faulting in huge pages for the decode-streamed
 # weights; a host that must compact memory to find them gets 4 KiB pages for the rest (engine/hugepages.py).
 # 2 s: on the AMD dev VM an engine's first start in a process took 1.08 s for the first 438 of SmolLM2's 513
-# MiB (a budget of 1 s then left the rest, the LM head's 108 MiB among it, in 4 KiB pages, where a 1-row
-# stream read at about 46 GB/s against 61 in huge pages, ad hoc at a 65-69 GB/s moment).
+# MiB (a budget of 1 s then left the other 75 MiB, the last of the tied LM head's 108, in 4 KiB pages, where a
+# 1-row stream read at about 46 GB/s against 61 in huge pages, ad hoc at a 65-69 GB/s moment).
 WEIGHTS_HUGE_PAGE_BUDGET_S = 2.0
 
 
