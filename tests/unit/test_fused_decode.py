@@ -65,6 +65,57 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(tmp_path, arch, opti
         assert a.logprobs == b.logprobs  # exact floats: the same kernels in the same order
 
 
+@pytest.fixture
+def split_rows():
+    """Sets decode_layers' rows per thread from which it gives each thread its own rows; restored after."""
+    ops, threads = cpu_kernels(), torch.get_num_threads()
+    before = ops.set_decode_split_rows(8)
+    yield ops.set_decode_split_rows
+    ops.set_decode_split_rows(before)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("options", [{}, {"cache_bits": 8}])
+def test_steps_split_into_a_group_of_rows_per_thread_equal_the_layer_path_bitwise(tmp_path, options, counted,
+                                                                                   split_rows):
+    """From set_decode_split_rows' rows per thread up, each of the threads runs its own rows through every layer;
+    the tokens and logprobs are still exactly those of the layer-by-layer path."""
+    torch.set_num_threads(2)
+    split_rows(1)
+    path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
+    llm = engine_llm(path, cpu_prepack_weights=True, **options)
+    model = llm.engine.model
+    many = prompts(20)
+    fused = llm.generate(many, PARAMS)
+    assert counted and max(counted) >= 16, "no decode-only step of many rows went through decode_layers"
+    lens = torch.tensor([len(p) for p in many])
+    assert len(cpu_kernels().decode_row_groups(lens, 2, 1000, 100)) == 3  # such a step is split in two
+    weights, model._fused_decode = model._fused_decode, None
+    layered = llm.generate(many, PARAMS)
+    model._fused_decode = weights
+    split_rows(1 << 30)  # never split: one group, every kernel sharing its rows over the threads
+    joint = llm.generate(many, PARAMS)
+    for a, b, c in zip(fused, layered, joint, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.logprobs == b.logprobs == c.logprobs
+
+
+def test_row_groups_cut_a_step_into_contiguous_groups_of_about_equal_work(split_rows):
+    groups = cpu_kernels().decode_row_groups
+    # A row's work: flops_per_row / 100 plus its context rows * kv_row_bytes / 15 (here 1 + lens[b]).
+    assert groups(torch.full((16,), 7), 2, 100, 15) == [0, 8, 16]
+    assert groups(torch.full((15,), 7), 2, 100, 15) == [0, 15]  # below 8 rows a thread: one group
+    assert groups(torch.full((64,), 7), 1, 100, 15) == [0, 64]  # one thread: one group
+    # Four long rows then sixteen empty ones: 4 x 101 + 16 x 1 = 420, so the first group ends at row 2 (202).
+    assert groups(torch.tensor([100] * 4 + [0] * 16), 2, 100, 15) == [0, 2, 20]
+    assert groups(torch.full((24,), 7), 3, 100, 15) == [0, 8, 16, 24]
+    split_rows(1)
+    assert groups(torch.tensor([1000, 1]), 2, 100, 15) == [0, 1, 2]
+    assert groups(torch.tensor([5]), 2, 100, 15) == [0, 1]
+    with pytest.raises(RuntimeError, match="at least 1"):
+        split_rows(0)
+
+
 def test_mixed_steps_and_batch_invariant_steps_take_the_layer_path(tiny_llama, counted):
     llm = engine_llm(tiny_llama, cpu_prepack_weights=True)
     engine = llm.engine
@@ -169,3 +220,24 @@ def test_single_stream_bench_splits_each_decode_step_into_its_parts(tiny_llama):
     assert r["layers_ms"] + r["head_ms"] + r["rest_ms"] == pytest.approx(r["step_ms"])
     again = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
     assert again == want
+
+
+def test_decode_split_bench_round_times_the_full_batch_steps(tiny_llama, monkeypatch):
+    """bench.decode_split's round: enough tokens that every request decodes together for the asked steps after
+    the chunked prefill, the tokens of each request returned in order, and a clear stop where no step ran the
+    whole batch."""
+    from bench import decode_split
+
+    monkeypatch.setattr(decode_split, "PROMPT_TOKENS", 20)
+    monkeypatch.setattr(decode_split, "MAX_BATCHED_TOKENS", 64)  # engine_llm's token budget
+    llm = engine_llm(tiny_llama, cpu_prepack_weights=True)
+    batch = [p[:20] for p in prompts(40) if len(p) >= 20][:6]
+    assert len(batch) == 6
+    seconds, tokens = decode_split.run_round(llm, batch, 4, "t")
+    assert seconds > 0
+    assert [len(t) for t in tokens] == [4 + 2] * 6  # 120 prompt tokens take two prefill steps of 64
+    want = llm.generate(batch, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert tokens == [o.token_ids for o in want]
+    monkeypatch.setattr(decode_split, "MAX_BATCHED_TOKENS", 10**6)  # as if prefill took one step: it takes two
+    with pytest.raises(SystemExit, match="no decode step ran the whole batch"):
+        decode_split.run_round(llm, batch, 1, "u")

@@ -34,6 +34,78 @@ static void quantize_row_int8(const float* x, int64_t D, int8_t* codes, at::Half
   *scale = stored;
 }
 
+// x += y over rows (fp32 [rows, D], y contiguous; x's rows may be strided): the elementwise sums that
+// x.add_(y) computes, on the calling thread.
+static void add_rows_(torch::Tensor x, const torch::Tensor& y) {
+  const int64_t rows = x.size(0), D = x.size(1), xs = x.stride(0);
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    at::vec::map2([](at::vec::Vectorized<float> a, at::vec::Vectorized<float> b) { return a + b; }, xp + r * xs,
+                  xp + r * xs, yp + r * D, D);
+}
+
+// Multiply-adds of one row through one layer's linears (2 per weight).
+static int64_t layer_flops_per_row(int64_t hidden, int64_t q_size, int64_t kv_size, int64_t intermediate) {
+  return 2 * (hidden * (q_size + 2 * kv_size) + q_size * hidden + hidden * 2 * intermediate + intermediate * hidden);
+}
+
+// Rows per thread from which decode_layers gives each thread its own group of rows (row_groups).
+static std::atomic<int64_t> split_rows_per_thread{8};
+
+// Sets the rows per thread from which decode_layers splits a step into one group of rows per thread (at least
+// 1), and returns the value before; for tests and bench/decode_split.py, which compare the two ways.
+int64_t set_decode_split_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "set_decode_split_rows: rows per thread must be at least 1, got ", rows);
+  return split_rows_per_thread.exchange(rows);
+}
+
+// How decode_layers splits a step's B rows: the cut points [0, c1, ..., B] of contiguous groups, one per thread,
+// with about equal work, a row's work being its linears (flops_per_row) and its attention's KV reads (lens[b]
+// context rows of kv_row_bytes each), weighed at one core's rates on the dev VM (about 100 GFLOP/s and 15 GB/s
+// of KV); or {0, B}, one group, below split_rows_per_thread rows a thread or with one thread.
+//
+// Why: with one group, each kernel of a layer shares its rows out over the threads and the threads meet at the
+// end of every kernel, about 240 times a step; with a group per thread, each thread runs its rows through every
+// layer and the threads meet once, at the end. Decode steps of SmolLM2-135M on the 2-core dev VM ran 1.03-1.10x
+// as fast at batch 16-48 (ad hoc, 2026-12-05), where a thread's GEMMs and attention on its half of the rows
+// each took a little less time than the whole machine's on all of them; at 4 rows a thread, 0.88-1.02x
+// (bench/decode_split.py measures it). Every kernel computes a row the same way whatever rows share its call,
+// so the results are bitwise the same either way.
+static std::vector<int64_t> row_groups(const int64_t* lens, int64_t B, int64_t threads, int64_t flops_per_row,
+                                       int64_t kv_row_bytes) {
+  if (threads < 2 || B < split_rows_per_thread.load() * threads) return {0, B};
+  std::vector<double> cost(B);
+  double total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    cost[b] = static_cast<double>(flops_per_row) / 100.0 + static_cast<double>(lens[b] * kv_row_bytes) / 15.0;
+    total += cost[b];
+  }
+  std::vector<int64_t> cuts{0};
+  double acc = 0;  // the cost of rows [0, b)
+  for (int64_t b = 0; b < B && static_cast<int64_t>(cuts.size()) < threads; ++b) {
+    const double target = total * static_cast<double>(cuts.size()) / static_cast<double>(threads);
+    if (acc + cost[b] >= target) {
+      // Row b crosses the next group's share: cut before it or after it, whichever lands nearer (after it
+      // where its group would otherwise be empty).
+      const bool before = b > cuts.back() && target - acc <= acc + cost[b] - target;
+      cuts.push_back(before ? b : b + 1);
+    }
+    acc += cost[b];
+  }
+  cuts.push_back(B);
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  return cuts;
+}
+
+// row_groups for a step's sequence lengths (int64), as decode_layers would cut it: for tests.
+std::vector<int64_t> decode_row_groups(torch::Tensor seq_lens, int64_t threads, int64_t flops_per_row,
+                                       int64_t kv_row_bytes) {
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kLong, "decode_row_groups: int64 lengths");
+  auto lens = seq_lens.contiguous();
+  return row_groups(lens.data_ptr<int64_t>(), lens.numel(), threads, flops_per_row, kv_row_bytes);
+}
+
 struct DecodeLayerWeights {
   torch::Tensor in_norm, qkv, qkv_bias, o, post_norm, gate_up, down;
 };
@@ -99,49 +171,70 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(slots[b] >= 0 && slots[b] < capacity, "decode_layers: slot ", slots[b], " outside the cache");
   }
-  for (int64_t l = 0; l < layers; ++l) {
-    const DecodeLayerWeights w{weights[kPerLayer * l], weights[kPerLayer * l + 1], weights[kPerLayer * l + 2],
-                               weights[kPerLayer * l + 3], weights[kPerLayer * l + 4], weights[kPerLayer * l + 5],
-                               weights[kPerLayer * l + 6]};
-    const torch::Tensor& kv = kv_caches[l];
-    // Attention block.
-    auto h = rms_norm_rows(x, w.in_norm, eps);
-    c10::optional<torch::Tensor> bias;
-    if (w.qkv_bias.numel() > 0) bias = w.qkv_bias;
-    auto qkv = panel_linear(h, w.qkv, q_size + 2 * kv_size, bias);
-    auto q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
-    auto k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
-    rope_rows_(q, k, cos, sin, pos_c);
-    const int64_t half = kv.stride(0);
-    const float* rows = qkv.data_ptr<float>();
-    const int64_t ld = qkv.stride(0);
-    torch::Tensor attn;
-    if (int8_kv) {
-      int8_t* codes = kv.data_ptr<int8_t>();
-      at::Half* scales = kv_scales[l].data_ptr<at::Half>();
-      const int64_t scale_half = kv_scales[l].stride(0);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t side = 0; side < 2; ++side)
-          for (int64_t h = 0; h < num_kv_heads; ++h)
-            quantize_row_int8(rows + b * ld + q_size + side * kv_size + h * head_dim, head_dim,
-                              codes + side * half + slots[b] * kv_size + h * head_dim,
-                              scales + side * scale_half + slots[b] * num_kv_heads + h);
-      attn = paged_decode_attention_int8(q, kv, kv_scales[l], bt, lens, scale, c10::nullopt, c10::nullopt,
-                                         c10::nullopt);
-    } else {
-      float* cache = kv.data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(cache + slots[b] * kv_size, rows + b * ld + q_size, kv_size * sizeof(float));
-        std::memcpy(cache + half + slots[b] * kv_size, rows + b * ld + q_size + kv_size, kv_size * sizeof(float));
+  // Every layer for rows [r0, r0 + n) of the step, x_rows being those rows of x (updated in place).
+  auto run_rows = [&](torch::Tensor x_rows, int64_t r0, int64_t n) {
+    const int64_t* row_slots = slots + r0;
+    auto row_pos = pos_c.narrow(0, r0, n), row_bt = bt.narrow(0, r0, n), row_lens = lens.narrow(0, r0, n);
+    for (int64_t l = 0; l < layers; ++l) {
+      const DecodeLayerWeights w{weights[kPerLayer * l], weights[kPerLayer * l + 1], weights[kPerLayer * l + 2],
+                                 weights[kPerLayer * l + 3], weights[kPerLayer * l + 4], weights[kPerLayer * l + 5],
+                                 weights[kPerLayer * l + 6]};
+      const torch::Tensor& kv = kv_caches[l];
+      // Attention block.
+      auto h = rms_norm_rows(x_rows, w.in_norm, eps);
+      c10::optional<torch::Tensor> bias;
+      if (w.qkv_bias.numel() > 0) bias = w.qkv_bias;
+      auto qkv = panel_linear(h, w.qkv, q_size + 2 * kv_size, bias);
+      auto q = qkv.narrow(1, 0, q_size).view({n, num_heads, head_dim});
+      auto k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
+      rope_rows_(q, k, cos, sin, row_pos);
+      const int64_t half = kv.stride(0);
+      const float* rows = qkv.data_ptr<float>();
+      const int64_t ld = qkv.stride(0);
+      torch::Tensor attn;
+      if (int8_kv) {
+        int8_t* codes = kv.data_ptr<int8_t>();
+        at::Half* scales = kv_scales[l].data_ptr<at::Half>();
+        const int64_t scale_half = kv_scales[l].stride(0);
+        for (int64_t b = 0; b < n; ++b)
+          for (int64_t side = 0; side < 2; ++side)
+            for (int64_t h = 0; h < num_kv_heads; ++h)
+              quantize_row_int8(rows + b * ld + q_size + side * kv_size + h * head_dim, head_dim,
+                                codes + side * half + row_slots[b] * kv_size + h * head_dim,
+                                scales + side * scale_half + row_slots[b] * num_kv_heads + h);
+        attn = paged_decode_attention_int8(q, kv, kv_scales[l], row_bt, row_lens, scale, c10::nullopt, c10::nullopt,
+                                           c10::nullopt);
+      } else {
+        float* cache = kv.data_ptr<float>();
+        for (int64_t b = 0; b < n; ++b) {
+          std::memcpy(cache + row_slots[b] * kv_size, rows + b * ld + q_size, kv_size * sizeof(float));
+          std::memcpy(cache + half + row_slots[b] * kv_size, rows + b * ld + q_size + kv_size, kv_size * sizeof(float));
+        }
+        attn = paged_decode_attention(q, kv, row_bt, row_lens, scale);
       }
-      attn = paged_decode_attention(q, kv, bt, lens, scale);
+      auto o = panel_linear(attn.view({n, q_size}), w.o, hidden, c10::nullopt);
+      // MLP block.
+      h = add_rms_norm_rows(x_rows, o, w.post_norm, eps);
+      auto gate_up = panel_linear(h, w.gate_up, 2 * intermediate, c10::nullopt);
+      silu_mul_rows_(gate_up, intermediate);
+      auto down = panel_linear(gate_up.narrow(1, 0, intermediate), w.down, hidden, c10::nullopt);
+      add_rows_(x_rows, down);
     }
-    auto o = panel_linear(attn.view({B, q_size}), w.o, hidden, c10::nullopt);
-    // MLP block.
-    h = add_rms_norm_rows(x, o, w.post_norm, eps);
-    auto gate_up = panel_linear(h, w.gate_up, 2 * intermediate, c10::nullopt);
-    silu_mul_rows_(gate_up, intermediate);
-    x.add_(panel_linear(gate_up.narrow(1, 0, intermediate), w.down, hidden, c10::nullopt));
+  };
+  const std::vector<int64_t> cuts = row_groups(lens.data_ptr<int64_t>(), B, at::get_num_threads(),
+                                               layer_flops_per_row(hidden, q_size, kv_size, intermediate),
+                                               layers > 0 ? 2 * kv_size * kv_caches[0].element_size() : 0);
+  if (cuts.size() <= 2) {
+    run_rows(x, 0, B);  // one group: every kernel shares its rows out over the threads
+  } else {
+    // One group of rows per thread, each through every layer on its own: the kernels called inside run on the
+    // calling thread (ATen runs a parallel_for nested in another inline), and the threads meet only at the end.
+    // The final norm below shares all rows out again.
+    const at::ThreadLocalState state;  // the caller's grad and inference modes, for the tensors made inside
+    at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t g0, int64_t g1) {
+      const at::ThreadLocalStateGuard guard(state);
+      for (int64_t g = g0; g < g1; ++g) run_rows(x.narrow(0, cuts[g], cuts[g + 1] - cuts[g]), cuts[g], cuts[g + 1] - cuts[g]);
+    });
   }
   return final_norm.numel() > 0 ? rms_norm_rows(x, final_norm, eps) : x;
 }
