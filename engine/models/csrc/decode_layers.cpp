@@ -14,6 +14,8 @@
 //   gate = silu(gate) * up (in place, silu_mul_rows_); x += gate @ Wdown.
 // With a non-empty token_table (the embedding table, fp32 [vocab, hidden]), x holds the step's token ids and
 // their rows are gathered here (the same values as the embedding lookup), saving the interpreter a call.
+// From 8 rows a thread the rows are cut into one contiguous group per thread, each thread running its group
+// through every layer (row_groups below says why); below that, every kernel shares all rows over the threads.
 // After the last layer, with a non-empty final_norm: the model's final RMSNorm of x (same epsilon), which
 // is then what the call returns (x itself is still updated in place); with an empty one, x.
 // With an int8 KV cache (kv_scales holds each layer's fp16 scales), new K/V rows are quantized as
@@ -67,11 +69,12 @@ int64_t set_decode_split_rows(int64_t rows) {
 //
 // Why: with one group, each kernel of a layer shares its rows out over the threads and the threads meet at the
 // end of every kernel, about 240 times a step; with a group per thread, each thread runs its rows through every
-// layer and the threads meet once, at the end. Decode steps of SmolLM2-135M on the 2-core dev VM ran 1.03-1.10x
-// as fast at batch 16-48 (ad hoc, 2026-12-05), where a thread's GEMMs and attention on its half of the rows
-// each took a little less time than the whole machine's on all of them; at 4 rows a thread, 0.88-1.02x
-// (bench/decode_split.py measures it). Every kernel computes a row the same way whatever rows share its call,
-// so the results are bitwise the same either way.
+// layer and the threads meet once, at the end. Full-batch decode steps of SmolLM2-135M on the 2-core dev VM:
+// 1.03-1.06x as fast at batch 16-64, medians of alternating rounds, 1.09-1.17x in rounds at fast memory moments
+// (bench/decode_split.py, 2026-12-05 23:02 UTC); ad hoc at batch 8 (4 rows a thread), 0.88-1.02x. A thread's
+// GEMMs and attention on its half of the rows each took a little less time than the whole machine's on all of
+// them. Every kernel computes a row the same way whatever rows share its call, so the results are bitwise the
+// same either way.
 static std::vector<int64_t> row_groups(const int64_t* lens, int64_t B, int64_t threads, int64_t flops_per_row,
                                        int64_t kv_row_bytes) {
   if (threads < 2 || B < split_rows_per_thread.load() * threads) return {0, B};
