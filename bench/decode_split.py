@@ -9,14 +9,14 @@ Split (from 8 rows a thread, the default): the rows are cut into one contiguous 
 work, and each thread runs its group through every layer, the threads meeting once at the end. Both compute
 every row the same way, so every token and logprob is the same; this measures which is faster.
 
-One engine (SmolLM2-135M-Instruct, fp32, bench.throughput's headline options: packed fp32 panels, the default
-huge pages), `--batches` requests of 400 prompt tokens cut from bench.throughput's text, greedy, running together, with
+One engine (SmolLM2-135M-Instruct, fp32, bench.throughput's headline options: packed fp32 panels, the default huge
+pages), `--batches` requests of 400 prompt tokens cut from bench.throughput's text, greedy, running together, with
 about `--tokens` (16) decode steps a round in which every request decodes. The two ways alternate round after round
 in one process (`set_decode_split_rows`); a round's figure is the median of its full-batch decode steps (the
-engine's own step time, LM head and sampling included), and the verdict is the median of the rounds' ratios,
-each against the other way's round next to it. A read probe after each pair of rounds gives the memory rate of
-that moment: this VM's read rate moves between about 35 and 70 GB/s within seconds. The two ways' greedy
-tokens must be equal. Writes bench/results/decode_split.json and its section of docs/BENCHMARKS.md.
+engine's own step time, LM head and sampling included), and the verdict is the median of the rounds' ratios, each
+against the other way's round next to it. A read probe after each pair of rounds gives the memory rate of that
+moment: this VM's read rate moves between about 35 and 70 GB/s within seconds. The two ways' greedy tokens must be
+equal. Writes bench/results/decode_split.json and its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
