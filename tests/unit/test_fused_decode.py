@@ -81,6 +81,7 @@ def test_steps_split_into_a_group_of_rows_per_thread_equal_the_layer_path_bitwis
     """From set_decode_split_rows' rows per thread up, each of the threads runs its own rows through every layer;
     the tokens and logprobs are still exactly those of the layer-by-layer path."""
     torch.set_num_threads(2)
+    assert torch.get_num_threads() == 2  # what decode_layers reads (at::get_num_threads) to split in two
     split_rows(1)
     path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
     llm = engine_llm(path, cpu_prepack_weights=True, **options)

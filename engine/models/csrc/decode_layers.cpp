@@ -174,8 +174,9 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(slots[b] >= 0 && slots[b] < capacity, "decode_layers: slot ", slots[b], " outside the cache");
   }
-  // Every layer for rows [r0, r0 + n) of the step, x_rows being those rows of x (updated in place).
-  auto run_rows = [&](torch::Tensor x_rows, int64_t r0, int64_t n) {
+  // Every layer for rows [r0, r0 + n) of the step, those rows of x updated in place.
+  auto run_rows = [&](int64_t r0, int64_t n) {
+    auto x_rows = x.narrow(0, r0, n);
     const int64_t* row_slots = slots + r0;
     auto row_pos = pos_c.narrow(0, r0, n), row_bt = bt.narrow(0, r0, n), row_lens = lens.narrow(0, r0, n);
     for (int64_t l = 0; l < layers; ++l) {
@@ -228,7 +229,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                                layer_flops_per_row(hidden, q_size, kv_size, intermediate),
                                                layers > 0 ? 2 * kv_size * kv_caches[0].element_size() : 0);
   if (cuts.size() <= 2) {
-    run_rows(x, 0, B);  // one group: every kernel shares its rows out over the threads
+    run_rows(0, B);  // one group: every kernel shares its rows out over the threads
   } else {
     // One group of rows per thread, each through every layer on its own: the kernels called inside run on the
     // calling thread (ATen runs a parallel_for nested in another inline), and the threads meet only at the end.
@@ -236,7 +237,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     const at::ThreadLocalState state;  // the caller's grad and inference modes, for the tensors made inside
     at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t g0, int64_t g1) {
       const at::ThreadLocalStateGuard guard(state);
-      for (int64_t g = g0; g < g1; ++g) run_rows(x.narrow(0, cuts[g], cuts[g + 1] - cuts[g]), cuts[g], cuts[g + 1] - cuts[g]);
+      for (int64_t g = g0; g < g1; ++g) run_rows(cuts[g], cuts[g + 1] - cuts[g]);
     });
   }
   return final_norm.numel() > 0 ? rms_norm_rows(x, final_norm, eps) : x;

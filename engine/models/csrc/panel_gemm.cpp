@@ -40,8 +40,8 @@ constexpr int64_t kPageHeadAhead = 16384;
 // on the AMD EPYC dev VM (30 layers' linears and the LM head, 65-69 GB/s moments; ad hoc, then
 // bench.panel_gemm): 1.10x at 1 row, 1.14x at 2, 1.04x at 4 in 4 KiB pages; 1.10x, 1.27x, 1.17x in huge
 // pages, where leaving the tile no prefetch at all does about as well as page heads.
-// Otherwise the tile sends the first `lines` lines from `prefetch` to L2: PF = 1 or 2 a K step from k = 0 (lines <= PF * K);
-// PF = 0 spreads fewer lines than steps evenly over the steps, one every K / lines (16.16 fixed point).
+// Otherwise the tile sends the first `lines` lines from `prefetch` to L2: PF = 1 or 2 a K step from k = 0
+// (lines <= PF * K); PF = 0 spreads fewer lines than steps evenly over the steps, one every K / lines (16.16 fixed point).
 // Bunched into the first steps, a share asks for lines faster than one core's misses can be served (one
 // a step is about the core's whole memory rate at 12-row tiles); the likely cost is the tile's own loads
 // queueing behind those misses. Spread, the same lines come at the rate the panel is computed.
