@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.huge_pages
     .venv/bin/python -m bench.huge_pages --batches 1 48 --rounds 5 --workload-rounds 0
+    .venv/bin/python -m bench.huge_pages --kv-only --batches 32 48 64 --rounds 5 --workload-rounds 0
 
 `memory.huge_pages: true` (engine/hugepages.py) keeps the KV cache and the weights a decode step streams
 (each linear's packed copy, else its fp32 weight) in one madvised region of 2 MiB pages instead of torch's
@@ -19,7 +20,10 @@ compact memory to find them):
    greedy token must be equal; the last column counts the sequences that are.
 3. bench.throughput's workload on the fp32-panel engine with and without huge pages.
 
-Writes bench/results/huge_pages.json and its section of docs/BENCHMARKS.md.
+Writes bench/results/huge_pages.json and its section of docs/BENCHMARKS.md. `--kv-only` asks what the KV
+cache alone gains: the arms are `huge_pages` auto (the default: the decode-streamed weights in huge pages,
+the KV cache in 4 KiB pages) and true (the KV cache too), on the fp32-panel engine only; it writes
+bench/results/huge_pages_kv.json and a section of its own.
 """
 
 from __future__ import annotations
@@ -59,22 +63,28 @@ def read_rates(rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    args = parse_args(__doc__, [1, 8, 16, 32, 48], "page sizes")
+    args = parse_args(__doc__, [1, 8, 16, 32, 48], "page sizes", extra=lambda ap: ap.add_argument(
+        "--kv-only", action="store_true", help="arms huge_pages auto and true (the KV cache alone), fp32 panels only"))
     if not hugepages.available():
         raise SystemExit("this host gives no transparent huge pages (/sys/kernel/mm/transparent_hugepage/enabled "
                          "is `never`, or this is not Linux): nothing to compare")
+    # (label, huge_pages) of the arm without huge pages for what is compared, then of the arm with them.
+    page_arms = ((("KV in 4 KiB pages", "auto"), ("KV in huge pages", True)) if args.kv_only
+                 else (("4 KiB pages", False), ("huge pages", True)))
+    (small_label, _), (huge_label, _) = page_arms
+    settings = {"fp32 panels": SETTINGS["fp32 panels"]} if args.kv_only else SETTINGS
     biggest = max(args.batches)
     block_size = 16
     blocks = biggest * -(-(args.context + args.steps) // block_size) * 2 + 64
     cpu_kernels()  # built or loaded from disk before the engines are timed
     data = {**run_info("bench.huge_pages", args.threads), "context": args.context, "steps": args.steps,
-            "rounds": args.rounds, "settings": {}, "start_s": {}}
+            "rounds": args.rounds, "kv_only": args.kv_only, "settings": {}, "start_s": {}}
     with progress_bar("plain reads", 1) as advance:
         data["read_gbps"] = read_rates(5)
         advance()
-    for setting, options in SETTINGS.items():
+    for setting, options in settings.items():
         llms, start_s = {}, {}
-        for label, huge in (("4 KiB pages", False), ("huge pages", True)):
+        for label, huge in page_arms:
             t0 = time.perf_counter()
             llms[f"{setting}, {label}"] = LLM(model="smollm2", dtype="float32", block_size=block_size,
                                               num_kv_blocks=blocks, max_num_seqs=biggest,
@@ -86,34 +96,39 @@ def main() -> None:
         data["settings"][setting] = measure_batches(llms, prompts, args, setting, "sequences_equal")
         del llms
         gc.collect()
-    arms = {"fp32 panels, 4 KiB pages": {**SETTINGS["fp32 panels"], "huge_pages": False},
-            "fp32 panels, huge pages": {**SETTINGS["fp32 panels"], "huge_pages": True}}
+    arms = {f"fp32 panels, {label}": {**SETTINGS["fp32 panels"], "huge_pages": huge} for label, huge in page_arms}
     if args.workload_rounds:
         data["workload"] = whole_workload(args.workload_rounds, arms, EQUAL_KEY)
-    write_json("huge_pages.json", data)
+    write_json("huge_pages_kv.json" if args.kv_only else "huge_pages.json", data)
 
     reads = data["read_gbps"]
     read_rows = [(name, f"{gbps:.1f}", f"{gbps / reads['4 KiB pages']:.2f}×") for name, gbps in reads.items()]
     read_headers = ["pages", "read GB/s", "÷ 4 KiB pages"]
     print_table("A plain read of 1 GiB", read_headers, read_rows)
-    start_rows = [(setting, f"{v['4 KiB pages']:.1f}", f"{v['huge pages']:.1f}")
-                  for setting, v in data["start_s"].items()]
-    start_headers = ["weights", "4 KiB pages: engine start s", "huge pages: engine start s"]
+    start_rows = [(setting, f"{v[small_label]:.1f}", f"{v[huge_label]:.1f}") for setting, v in data["start_s"].items()]
+    start_headers = ["weights", f"{small_label}: engine start s", f"{huge_label}: engine start s"]
     print_table("Engine start (model load, packing, KV pool)", start_headers, start_rows)
-    headers = ["weights", "batch", "4 KiB pages ms/step", "huge pages ms/step", "huge ÷ 4 KiB speed",
+    headers = ["weights", "batch", f"{small_label} ms/step", f"{huge_label} ms/step", "huge ÷ 4 KiB speed",
                "greedy tokens equal"]
     rows = []
     for setting, batches in data["settings"].items():
         for batch, r in batches.items():
             m = r["median_step_s"]
-            small, huge = m[f"{setting}, 4 KiB pages"], m[f"{setting}, huge pages"]
+            small, huge = m[f"{setting}, {small_label}"], m[f"{setting}, {huge_label}"]
             rows.append((setting, batch, f"{small * 1e3:.1f}", f"{huge * 1e3:.1f}", f"{small / huge:.2f}×",
                          f"{r['sequences_equal']}/{batch}"))
+    if args.kv_only:
+        section, title = "huge_pages_kv", "The KV cache alone in huge pages (SmolLM2-135M, fp32 panels, CPU)"
+        arms_text = ("`huge_pages` auto (the default: the weights a decode step streams in huge pages, the KV "
+                     "cache in 4 KiB pages) and true (the KV cache in huge pages as well)")
+    else:
+        section, title = "huge_pages", "The KV cache and decode-streamed weights in huge pages (SmolLM2-135M, fp32, CPU)"
+        arms_text = ("`huge_pages` false and true (the KV cache and the weights a decode step streams, each "
+                     "linear's packed copy or else its fp32 weight, in one madvised region of 2 MiB pages)")
     publish_table(
-        "huge_pages", "The KV cache and decode-streamed weights in huge pages (SmolLM2-135M, fp32, CPU)", data,
+        section, title, data,
         f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache; for each weight "
-        "setting, two engines in one process, `huge_pages` false and true (the KV cache and the weights a decode "
-        "step streams, each linear's packed copy or else its fp32 weight, in one madvised region of 2 MiB pages), "
+        f"setting, two engines in one process, {arms_text}, "
         f"alternating {args.rounds} rounds; the median of each round's decode-only steps at the full batch "
         f"(prefill excluded), then the median over rounds. Page sizes move no arithmetic, so the greedy tokens "
         f"must be equal. Before them, a plain read of 1 GiB (the sum, best of 5): "

@@ -104,9 +104,12 @@ def measure_batches(llms: dict[str, LLM], prompts: list[list[int]], args: argpar
     return out
 
 
-def parse_args(doc: str, batches: list[int], arms: str) -> argparse.Namespace:
-    """The options of an alternating decode-step benchmark (this one, bench.compact_weights), checked."""
+def parse_args(doc: str, batches: list[int], arms: str, extra=None) -> argparse.Namespace:
+    """The options of an alternating decode-step benchmark (this one, bench.compact_weights), checked;
+    `extra(parser)` adds a benchmark's own."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--batches", type=int, nargs="+", default=batches, help="sequences decoding together")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=24, help="output tokens per sequence and round")

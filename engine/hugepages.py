@@ -11,7 +11,9 @@ a single stream of SmolLM2's fp32 panels decodes 1.07x as fast with its weights 
 memory is slow and about 1.1x where it is fast (19:07 UTC). `.venv/bin/python -m bench.huge_pages`
 (earlier that day, on the Intel VM before it) found the KV cache's huge pages worth little (decode steps
 1.00-1.03x from batch 16 up) and an engine start up to 18 s longer where the kernel had to compact memory
-(THP defrag `madvise`) to find pages for the KV pool, so the KV cache is not in the default.
+(THP defrag `madvise`) to find pages for the KV pool, so the KV cache is not in the default. On the AMD VM
+(2026-12-06, `.venv/bin/python -m bench.huge_pages --kv-only`), the KV cache in huge pages on top of `auto`
+gave decode steps 0.99-1.03x at batch 32-64, for a start 2.7 s longer.
 
 `HugePageArena` maps one private anonymous region, asks for huge pages, and hands out tensors
 carved from it, so that a set of tensors shares one region (a tensor of its own would round its
