@@ -127,8 +127,9 @@ def main() -> None:
                      "linear's packed copy or else its fp32 weight, in one madvised region of 2 MiB pages)")
     publish_table(
         section, title, data,
-        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache; for each weight "
-        f"setting, two engines in one process, {arms_text}, "
+        f"prompts of {args.context} tokens, {args.steps} greedy output tokens, fp32 KV cache; "
+        f"{'on the fp32-panel engine' if args.kv_only else 'for each weight setting'}, two engines in one process, "
+        f"{arms_text}, "
         f"alternating {args.rounds} rounds; the median of each round's decode-only steps at the full batch "
         f"(prefill excluded), then the median over rounds. Page sizes move no arithmetic, so the greedy tokens "
         f"must be equal. Before them, a plain read of 1 GiB (the sum, best of 5): "

@@ -72,7 +72,8 @@ class EngineConfig:
     # finding the pages; a single stream of SmolLM2's fp32 panels decodes 1.07-1.10x as fast
     # (bench.single_stream, 2026-12-05 19:07 UTC). true: those weights without a time bound, and the KV cache too (on the dev VM
     # the KV pool could make an engine start up to 18 s slower, where the kernel compacts memory to find
-    # the pages, for 1.00-1.03x on decode from batch 16 up: bench.huge_pages). false: torch's 4 KiB pages.
+    # the pages, for 1.00-1.03x on decode from batch 16 up: bench.huge_pages; on the AMD VM the KV cache alone
+    # gave 0.99-1.03x at batch 32-64 over "auto": bench.huge_pages --kv-only). false: torch's 4 KiB pages.
     huge_pages: bool | str = "auto"
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
