@@ -5,18 +5,23 @@
 
 The one-call decoder (engine/models/csrc/decode_layers.cpp) runs a decode-only step in one of two ways. Joint:
 each kernel of each layer shares the step's rows out over the threads, which meet at the end of every kernel.
-Split (from 8 rows a thread, the default): the rows are cut into one contiguous group per thread of about equal
-work, and each thread runs its group through every layer, the threads meeting once at the end. Both compute
-every row the same way, so every token and logprob is the same; this measures which is faster.
+Split (here from 8 rows a thread; the engine picks the rows per machine, engine/models/decode_split.py): the
+rows are cut into one contiguous group per thread of about equal work, and each thread runs its group through
+every layer, the threads meeting once at the end. Both compute every row the same way, so every token and
+logprob is the same; this measures which is faster.
 
 One engine (SmolLM2-135M-Instruct, fp32, bench.throughput's headline options: packed fp32 panels, the default huge
 pages), `--batches` requests of 400 prompt tokens cut from bench.throughput's text, greedy, running together, with
 about `--tokens` (16) decode steps a round in which every request decodes. The two ways alternate round after round
-in one process (`set_decode_split_rows`); a round's figure is the median of its full-batch decode steps (the
+in one process (the model's `decode_split_rows`); a round's figure is the median of its full-batch decode steps (the
 engine's own step time, LM head and sampling included), and the verdict is the median of the rounds' ratios, each
 against the other way's round next to it. A read probe after each pair of rounds gives the memory rate of that
 moment: this VM's read rate moves between about 35 and 70 GB/s within seconds. The two ways' greedy tokens must be
 equal. Writes bench/results/decode_split.json and its section of docs/BENCHMARKS.md.
+
+`--compact` runs the engine with exact compact panels instead (cpu_compact_weights, what the defaults pack for
+SmolLM2: the kernel rebuilds each panel's fp32 values from 4-bit and 8-bit codes, so split, every thread rebuilds
+every panel for its own rows); it writes decode_split_compact.json and its own section.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="rounds per way and batch, alternating (default 6)")
     ap.add_argument("--tokens", type=int, default=16, help="full-batch decode steps per round (default 16)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    ap.add_argument("--compact", action="store_true",
+                    help="exact compact panels (the defaults for SmolLM2) instead of fp32 panels")
     args = ap.parse_args()
     if args.rounds < 1 or args.tokens < 2 or any(not 1 <= b <= 256 for b in args.batches):
         ap.error("--rounds must be at least 1, --tokens at least 2, --batches between 1 and 256")
@@ -84,7 +91,7 @@ def main() -> None:
     top = max(args.batches)
     path = resolve_model("smollm2")
     llm = LLM(model=str(path), dtype="float32", num_threads=args.threads, max_num_seqs=top,
-              max_num_batched_tokens=MAX_BATCHED_TOKENS, cpu_prepack_weights=True, cpu_compact_weights=False,
+              max_num_batched_tokens=MAX_BATCHED_TOKENS, cpu_prepack_weights=True, cpu_compact_weights=args.compact,
               kv_cache_memory_bytes=top * (PROMPT_TOKENS + args.tokens + top * PROMPT_TOKENS // MAX_BATCHED_TOKENS + 48) *
               roofline.kv_bytes_per_token(ModelConfig.from_folder(path)))
     if llm.engine.model._fused_decode is None:
@@ -92,8 +99,14 @@ def main() -> None:
     ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     probe = roofline.ReadProbe()
     data = {**run_info("bench.decode_split", args.threads), "model": "smollm2", "tokens": args.tokens,
-            "prompt_tokens": PROMPT_TOKENS, "batches": []}
-    before = ops.set_decode_split_rows(8)
+            "prompt_tokens": PROMPT_TOKENS,
+            "weights": "compact panels" if args.compact else "fp32 panels", "batches": []}
+    model = llm.engine.model
+    before = model.decode_split_rows
+    choice = llm.engine.decode_split  # what the engine measured at start and would use
+    if choice is not None:
+        data["engine_choice"] = {"rows_per_thread": choice.rows, "gemm_gflops": choice.gemm_gflops,
+                                 "stream_gbps": choice.stream_gbps, "bytes_per_weight": choice.bytes_per_weight}
     try:
         with progress_bar("decode steps, joint and split", len(args.batches) * args.rounds * 2) as advance:
             for batch in args.batches:
@@ -103,7 +116,7 @@ def main() -> None:
                 for r in range(args.rounds):
                     seconds = {}
                     for arm in (ARMS if r % 2 == 0 else reversed(ARMS)):
-                        ops.set_decode_split_rows(ARMS[arm])
+                        model.decode_split_rows = ARMS[arm]
                         seconds[arm], tokens[arm] = run_round(llm, prompts, args.tokens, f"b{batch}-r{r}-{arm}")
                         advance()
                     if tokens["joint"] != tokens["split"]:
@@ -111,27 +124,35 @@ def main() -> None:
                     rounds.append({**seconds, "read_gbps": probe()})
                 data["batches"].append({"batch": batch, "rounds": rounds})
     finally:
-        ops.set_decode_split_rows(before)
-    write_json("decode_split.json", data)
+        model.decode_split_rows = before
+    name = "decode_split_compact" if args.compact else "decode_split"
+    write_json(f"{name}.json", data)
 
-    headers = ["batch", "joint step ms", "split step ms", "split ÷ joint speed", "per round", "read GB/s"]
+    headers = ["batch", "joint step ms", "split step ms", "split ÷ joint speed", "per round", "read GB/s",
+               "the engine's choice"]
     rows = []
     for b in data["batches"]:
         rs = b["rounds"]
         ratios = [r["joint"] / r["split"] for r in rs]
+        picks = ("—" if choice is None
+                 else "split" if b["batch"] >= choice.rows * args.threads else "joint")
         rows.append((b["batch"], f"{statistics.median(r['joint'] for r in rs) * 1e3:.1f}",
                      f"{statistics.median(r['split'] for r in rs) * 1e3:.1f}", f"{statistics.median(ratios):.3f}×",
-                     " ".join(f"{x:.2f}" for x in ratios), " ".join(f"{r['read_gbps']:.0f}" for r in rs)))
+                     " ".join(f"{x:.2f}" for x in ratios), " ".join(f"{r['read_gbps']:.0f}" for r in rs), picks))
     publish_table(
-        "decode_split", "Decode steps, a group of rows per thread against all rows shared by every kernel "
-        "(SmolLM2-135M, fp32 panels, CPU)", data,
+        name, "Decode steps, a group of rows per thread against all rows shared by every kernel "
+        f"(SmolLM2-135M, {data['weights']}, CPU)", data,
         f"one engine, each batch's requests ({PROMPT_TOKENS} prompt tokens each, greedy) running together, "
-        f"about {args.tokens} full-batch decode steps a round; `set_decode_split_rows` switches decode_layers "
+        f"about {args.tokens} full-batch decode steps a round; the model's `decode_split_rows` switches decode_layers "
         "between joint (every kernel shares all rows over the threads) and split (one contiguous group of rows "
         f"per thread, each run through every layer by its thread), alternating {args.rounds} rounds; a round's "
         "figure is the median of its full-batch decode steps (LM head and sampling included); the speed-up is "
         "the median of the rounds' ratios, each "
-        "against the other way's round beside it. Greedy tokens equal in every round.",
+        "against the other way's round beside it. Greedy tokens equal in every round. The engine's choice: "
+        + ("none measured (cpu_decode_split_rows fixed or one thread)" if choice is None else
+           f"split from {choice.rows} rows a thread, measured at this engine's start (fp32 GEMM "
+           f"{choice.gemm_gflops:.0f} GFLOP/s, the packed weights read at {choice.stream_gbps:.1f} GB/s with every "
+           f"thread reading all of them, {choice.bytes_per_weight:.3f} bytes a weight; engine/models/decode_split.py)."),
         "Full-batch decode steps, medians of alternating rounds", headers, rows)
 
 

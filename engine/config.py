@@ -75,6 +75,12 @@ class EngineConfig:
     # the pages, for 1.00-1.03x on decode from batch 16 up: bench.huge_pages; on the AMD VM the KV cache alone
     # gave 0.99-1.03x at batch 32-64 over "auto": bench.huge_pages --kv-only). false: torch's 4 KiB pages.
     huge_pages: bool | str = "auto"
+    # CPU, 2+ threads: rows per thread from which the one-call decoder gives each thread its own group of rows,
+    # each thread then streaming the whole weight for its rows (engine/models/decode_split.py). "auto": measured
+    # at engine start (the fp32 GEMM rate against how fast the threads stream the packed weights, about 0.2 s):
+    # 8 on the AMD dev VM, about 26 on the Intel one, where splitting below that made decode steps 0.82-0.99x
+    # as fast (bench.decode_split). An integer >= 1 fixes it.
+    cpu_decode_split_rows: int | str = "auto"
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
     activation_chunk_rows: int = 512
@@ -105,6 +111,9 @@ class EngineConfig:
             raise InvalidRequestError(f"cpu_prepack_weights must be true, false or 'auto', got {self.cpu_prepack_weights!r}")
         if not (self.huge_pages is True or self.huge_pages is False or self.huge_pages == "auto"):
             raise InvalidRequestError(f"huge_pages must be true, false or 'auto', got {self.huge_pages!r}")
+        split = self.cpu_decode_split_rows
+        if not (split == "auto" or (isinstance(split, int) and not isinstance(split, bool) and split >= 1)):
+            raise InvalidRequestError(f"cpu_decode_split_rows must be 'auto' or an integer >= 1, got {split!r}")
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
         for name in positive:
             if getattr(self, name) < 1:

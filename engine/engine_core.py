@@ -30,6 +30,7 @@ from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner, StepHandle
+from engine.models import decode_split
 from engine.models.config import ModelConfig
 from engine.models.embedding_offload import offload_embedding
 from engine.models.llama import ActivationWorkspace
@@ -112,6 +113,16 @@ class EngineCore:
                          moved / 2**20, time.perf_counter() - start, huge / 2**20,
                          "" if huge >= moved else f" (the host took over {budget} s to find them; the rest "
                          "keep 4 KiB pages)")
+        self.decode_split: decode_split.SplitChoice | None = None
+        if isinstance(config.cpu_decode_split_rows, int):
+            self.model.decode_split_rows = config.cpu_decode_split_rows
+        elif torch.get_num_threads() >= 2:
+            self.decode_split = self.model.choose_decode_split()
+            if self.decode_split is not None:
+                c = self.decode_split
+                log.info("one-call decoder: a group of rows per thread from %d rows a thread (fp32 GEMM %.0f GFLOP/s, "
+                         "packed weights streamed at %.1f GB/s, %.2f bytes a weight; measured in %.2f s)",
+                         c.rows, c.gemm_gflops, c.stream_gbps, c.bytes_per_weight, c.seconds)
         if self.device.type == "cuda" and config.gpu_fused_kernels:
             self.model.enable_triton_fusions()
         if config.activation_chunk_rows:

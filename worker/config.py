@@ -128,6 +128,10 @@ class ExecutionConfig(_Section):
     num_buckets: Annotated[int, msgspec.Meta(ge=1, le=16)] = 5
     deterministic: bool = False
     num_threads: PositiveInt | None = None
+    # CPU, 2+ threads: rows per thread from which a decode step gives each thread its own group of rows (each
+    # thread then streams the whole weight for its rows); "auto": measured at engine start (engine/models/
+    # decode_split.py).
+    cpu_decode_split_rows: PositiveInt | Literal["auto"] = "auto"
     # GPU only: decode steps replayed from CUDA graphs per batch-size bucket.
     cuda_graphs: bool = True
     # Pipelined scheduling (build step N+1 while the device runs step N); null: on for CUDA, off on the CPU.
@@ -436,6 +440,7 @@ class ServiceConfig(_Section):
                 cache_bits=quant.cache_bits,
                 kv_fp_window=quant.kv_fp_window,
                 num_threads=execution.num_threads,
+                cpu_decode_split_rows=execution.cpu_decode_split_rows,
                 cuda_graphs=execution.cuda_graphs,
                 async_scheduling=execution.async_scheduling,
             )

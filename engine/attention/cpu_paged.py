@@ -41,7 +41,7 @@ _SOURCES = (
 _FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_", "silu_mul_rows_",
               "panel_gemm_available", "pack_panels", "panel_linear", "unpack_compact_panels", "compact_rows",
-              "pack_compact_panels", "compact_panels_match", "decode_layers", "set_decode_split_rows",
+              "pack_compact_panels", "compact_panels_match", "decode_layers", "stream_read_all",
               "decode_row_groups", "argmax_rows", "paged_prefill_attention", "paged_prefill_attention_int8"]
 
 

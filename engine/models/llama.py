@@ -15,6 +15,7 @@ from torch import nn
 from engine import hugepages
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.models import decode_split
 from engine.models.compact_weights import is_compact
 from engine.models.config import ModelConfig
 from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
@@ -269,6 +270,9 @@ class LlamaForCausalLM(nn.Module):
     # The weights of every layer, in decode_layers' order, when the whole decoder can run a
     # decode-only step in one C++ call (engine/models/csrc/decode_layers.cpp); set by prepack_weights.
     _fused_decode: list[torch.Tensor] | None = None
+    # Rows per thread from which decode_layers gives each thread its own group of rows (engine/models/
+    # decode_split.py); the engine sets it per machine at start.
+    decode_split_rows: int = decode_split.MIN_ROWS
 
     def _fused_decode_applies(self, rows: int, meta: AttentionMetadata) -> bool:
         workspace = self.layers[0].mlp.workspace
@@ -298,7 +302,19 @@ class LlamaForCausalLM(nn.Module):
             x.contiguous(), self._fused_decode, values, scales, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach(),
-            token_table if token_table is not None else _EMPTY)
+            token_table if token_table is not None else _EMPTY, self.decode_split_rows)
+
+    def choose_decode_split(self) -> decode_split.SplitChoice | None:
+        """Measure this machine's GEMM rate and how fast it streams the layers' packed weights, and set
+        decode_split_rows from them (decode_split.choose); None where decode_layers does not run."""
+        if self._fused_decode is None:
+            return None
+        linears = [m for layer in self.layers
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj)]
+        choice = decode_split.choose([m.packed for m in linears], sum(m.in_features * m.out_features for m in linears))
+        self.decode_split_rows = choice.rows
+        return choice
 
     def _enable_fused_decode(self) -> bool:
         """Run decode-only steps through decode_layers where it computes exactly what the layers do:

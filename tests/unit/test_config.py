@@ -368,6 +368,15 @@ def test_engine_config_mapping(tmp_path):
         assert load_config(None, env=env).engine_config().huge_pages == value
     with pytest.raises(ConfigError, match="huge_pages"):
         load_config(write(tmp_path, "memory: {huge_pages: sometimes}\n"), env={})
+    assert load_config(None, env={}).engine_config().cpu_decode_split_rows == "auto"
+    for value in (24, "auto"):
+        text = f"execution: {{cpu_decode_split_rows: {value}}}\n"
+        assert load_config(write(tmp_path, text), env={}).engine_config().cpu_decode_split_rows == value
+        env = {"INFINILM__EXECUTION__CPU_DECODE_SPLIT_ROWS": str(value)}
+        assert load_config(None, env=env).engine_config().cpu_decode_split_rows == value
+    for bad in ("0", "sometimes"):
+        with pytest.raises(ConfigError, match="cpu_decode_split_rows"):
+            load_config(write(tmp_path, f"execution: {{cpu_decode_split_rows: {bad}}}\n"), env={})
 
 
 def test_worker_id_is_derived_not_stored():

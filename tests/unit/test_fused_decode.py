@@ -66,55 +66,55 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(tmp_path, arch, opti
 
 
 @pytest.fixture
-def split_rows():
-    """Sets decode_layers' rows per thread from which it gives each thread its own rows; restored after."""
-    ops, threads = cpu_kernels(), torch.get_num_threads()
-    before = ops.set_decode_split_rows(8)
-    yield ops.set_decode_split_rows
-    ops.set_decode_split_rows(before)
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    assert torch.get_num_threads() == 2  # what decode_layers reads (at::get_num_threads) to split in two
+    yield
     torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("options", [{}, {"cache_bits": 8}])
 def test_steps_split_into_a_group_of_rows_per_thread_equal_the_layer_path_bitwise(tmp_path, options, counted,
-                                                                                   split_rows):
-    """From set_decode_split_rows' rows per thread up, each of the threads runs its own rows through every layer;
+                                                                                   two_threads):
+    """From cpu_decode_split_rows rows a thread up, each of the threads runs its own rows through every layer;
     the tokens and logprobs are still exactly those of the layer-by-layer path."""
-    torch.set_num_threads(2)
-    assert torch.get_num_threads() == 2  # what decode_layers reads (at::get_num_threads) to split in two
-    split_rows(1)
     path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
-    llm = engine_llm(path, cpu_prepack_weights=True, **options)
+    llm = engine_llm(path, cpu_prepack_weights=True, cpu_decode_split_rows=1, **options)
     model = llm.engine.model
+    assert model.decode_split_rows == 1 and llm.engine.decode_split is None  # fixed by the config: nothing measured
     many = prompts(20)
     fused = llm.generate(many, PARAMS)
     assert counted and max(counted) >= 16, "no decode-only step of many rows went through decode_layers"
     # At these settings (2 threads, from 1 row a thread) a step of that many rows is cut into two groups.
-    assert len(cpu_kernels().decode_row_groups(torch.full((max(counted),), 40), 2, 1000, 100)) == 3
+    assert len(cpu_kernels().decode_row_groups(torch.full((max(counted),), 40), 2, 1000, 100, 1)) == 3
     weights, model._fused_decode = model._fused_decode, None
     layered = llm.generate(many, PARAMS)
     model._fused_decode = weights
-    split_rows(1 << 30)  # never split: one group, every kernel sharing its rows over the threads
+    model.decode_split_rows = 1 << 30  # never split: one group, every kernel sharing its rows over the threads
     joint = llm.generate(many, PARAMS)
     for a, b, c in zip(fused, layered, joint, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids
         assert a.logprobs == b.logprobs == c.logprobs
 
 
-def test_row_groups_cut_a_step_into_contiguous_groups_of_about_equal_work(split_rows):
-    groups = cpu_kernels().decode_row_groups
+def test_row_groups_cut_a_step_into_contiguous_groups_of_about_equal_work():
+    def groups(lens, threads, split_rows=8):
+        return cpu_kernels().decode_row_groups(lens, threads, 100, 15, split_rows)
+
     # A row's work: flops_per_row / 100 plus its context rows * kv_row_bytes / 15 (here 1 + lens[b]).
-    assert groups(torch.full((16,), 7), 2, 100, 15) == [0, 8, 16]
-    assert groups(torch.full((15,), 7), 2, 100, 15) == [0, 15]  # below 8 rows a thread: one group
-    assert groups(torch.full((64,), 7), 1, 100, 15) == [0, 64]  # one thread: one group
+    assert groups(torch.full((16,), 7), 2) == [0, 8, 16]
+    assert groups(torch.full((15,), 7), 2) == [0, 15]  # below 8 rows a thread: one group
+    assert groups(torch.full((51,), 7), 2, 26) == [0, 51]  # below 26 rows a thread
+    assert groups(torch.full((52,), 7), 2, 26) == [0, 26, 52]
+    assert groups(torch.full((64,), 7), 1) == [0, 64]  # one thread: one group
     # Four long rows then sixteen empty ones: 4 x 101 + 16 x 1 = 420, so the first group ends at row 2 (202).
-    assert groups(torch.tensor([100] * 4 + [0] * 16), 2, 100, 15) == [0, 2, 20]
-    assert groups(torch.full((24,), 7), 3, 100, 15) == [0, 8, 16, 24]
-    split_rows(1)
-    assert groups(torch.tensor([1000, 1]), 2, 100, 15) == [0, 1, 2]
-    assert groups(torch.tensor([5]), 2, 100, 15) == [0, 1]
+    assert groups(torch.tensor([100] * 4 + [0] * 16), 2) == [0, 2, 20]
+    assert groups(torch.full((24,), 7), 3) == [0, 8, 16, 24]
+    assert groups(torch.tensor([1000, 1]), 2, 1) == [0, 1, 2]
+    assert groups(torch.tensor([5]), 2, 1) == [0, 1]
     with pytest.raises(RuntimeError, match="at least 1"):
-        split_rows(0)
+        groups(torch.full((4,), 7), 2, 0)
 
 
 def test_mixed_steps_and_batch_invariant_steps_take_the_layer_path(tiny_llama, counted):
@@ -171,7 +171,7 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
         return cpu_kernels().decode_layers(
             args["x"], args["weights"], args["kv"], args["scales"], args["slots"], tables, lens, pos, model.rope.cos, model.rope.sin,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, model.norm.eps, 0.25,
-            args.get("final_norm", torch.empty(0)), args.get("token_table", torch.empty(0)))
+            args.get("final_norm", torch.empty(0)), args.get("token_table", torch.empty(0)), 8)
 
     capacity = kv[0].shape[1] * kv[0].shape[2]
     kv[0][:, 0, 0].zero_()

@@ -14,8 +14,8 @@
 //   gate = silu(gate) * up (in place, silu_mul_rows_); x += gate @ Wdown.
 // With a non-empty token_table (the embedding table, fp32 [vocab, hidden]), x holds the step's token ids and
 // their rows are gathered here (the same values as the embedding lookup), saving the interpreter a call.
-// From 8 rows a thread the rows are cut into one contiguous group per thread, each thread running its group
-// through every layer (row_groups below says why); below that, every kernel shares all rows over the threads.
+// From split_rows rows a thread the rows are cut into one contiguous group per thread, each thread running its
+// group through every layer (row_groups below says why); below that, every kernel shares all rows over the threads.
 // After the last layer, with a non-empty final_norm: the model's final RMSNorm of x (same epsilon), which
 // is then what the call returns (x itself is still updated in place); with an empty one, x.
 // With an int8 KV cache (kv_scales holds each layer's fp16 scales), new K/V rows are quantized as
@@ -52,32 +52,28 @@ static int64_t layer_flops_per_row(int64_t hidden, int64_t q_size, int64_t kv_si
   return 2 * (hidden * (q_size + 2 * kv_size) + q_size * hidden + hidden * 2 * intermediate + intermediate * hidden);
 }
 
-// Rows per thread from which decode_layers gives each thread its own group of rows (row_groups).
-static std::atomic<int64_t> split_rows_per_thread{8};
-
-// Sets the rows per thread from which decode_layers splits a step into one group of rows per thread (at least
-// 1), and returns the value before; for tests and bench/decode_split.py, which compare the two ways.
-int64_t set_decode_split_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 1, "set_decode_split_rows: rows per thread must be at least 1, got ", rows);
-  return split_rows_per_thread.exchange(rows);
-}
-
 // How decode_layers splits a step's B rows: the cut points [0, c1, ..., B] of contiguous groups, one per thread,
 // with about equal work, a row's work being its linears (flops_per_row) and its attention's KV reads (lens[b]
 // context rows of kv_row_bytes each), weighed at one core's rates on the dev VM (about 100 GFLOP/s and 15 GB/s
-// of KV); or {0, B}, one group, below split_rows_per_thread rows a thread or with one thread.
+// of KV); or {0, B}, one group, below split_rows rows a thread or with one thread.
 //
 // Why: with one group, each kernel of a layer shares its rows out over the threads and the threads meet at the
 // end of every kernel, about 240 times a step; with a group per thread, each thread runs its rows through every
-// layer and the threads meet once, at the end. Full-batch decode steps of SmolLM2-135M on the 2-core dev VM:
+// layer and the threads meet once, at the end. Full-batch decode steps of SmolLM2-135M on the 2-core AMD EPYC VM:
 // 1.03-1.06x as fast at batch 16-64, medians of alternating rounds, 1.09-1.17x in rounds at fast memory moments
 // (bench/decode_split.py, 2026-12-05 23:02 UTC); ad hoc at batch 8 (4 rows a thread), 0.88-1.02x. A thread's
 // GEMMs and attention on its half of the rows each took a little less time than the whole machine's on all of
-// them. Every kernel computes a row the same way whatever rows share its call, so the results are bitwise the
-// same either way.
+// them. The price is that every thread streams the whole weight for its own rows: on the 2-core Intel Xeon VM
+// (30 GB/s of reads against 330 GFLOP/s), 0.82x at batch 16, 0.91x at 32, 0.99x at 48 and 1.02x at 64 (same
+// benchmark, 2026-12-06 03:32 UTC). The engine therefore picks split_rows per machine (engine/models/
+// decode_split.py): the rows from which a thread's GEMMs on its own copy of the weight stream are compute-bound.
+// Every kernel computes a row the same way whatever rows share its call, so the results are bitwise the same
+// either way.
 static std::vector<int64_t> row_groups(const int64_t* lens, int64_t B, int64_t threads, int64_t flops_per_row,
-                                       int64_t kv_row_bytes) {
-  if (threads < 2 || B < split_rows_per_thread.load() * threads) return {0, B};
+                                       int64_t kv_row_bytes, int64_t split_rows) {
+  TORCH_CHECK(split_rows >= 1, "decode_layers: split_rows (rows per thread from which to split) must be at least 1, "
+              "got ", split_rows);
+  if (threads < 2 || B < split_rows * threads) return {0, B};
   std::vector<double> cost(B);
   double total = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -101,12 +97,49 @@ static std::vector<int64_t> row_groups(const int64_t* lens, int64_t B, int64_t t
   return cuts;
 }
 
-// row_groups for a step's sequence lengths (int64), as decode_layers would cut it: for tests.
+// row_groups for a step's sequence lengths (int64), as decode_layers would cut it with split_rows: for tests.
 std::vector<int64_t> decode_row_groups(torch::Tensor seq_lens, int64_t threads, int64_t flops_per_row,
-                                       int64_t kv_row_bytes) {
+                                       int64_t kv_row_bytes, int64_t split_rows) {
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kLong, "decode_row_groups: int64 lengths");
   auto lens = seq_lens.contiguous();
-  return row_groups(lens.data_ptr<int64_t>(), lens.numel(), threads, flops_per_row, kv_row_bytes);
+  return row_groups(lens.data_ptr<int64_t>(), lens.numel(), threads, flops_per_row, kv_row_bytes, split_rows);
+}
+
+// Every thread reads every byte of `tensors` (contiguous; 64-byte words, xor-folded into the value returned so that
+// the loads stay), all threads at once: what a split decode step asks of the memory, where each thread streams the
+// whole weight for its own rows. engine/models/decode_split.py times it to decide when the split pays.
+int64_t stream_read_all(std::vector<torch::Tensor> tensors) {
+  for (const auto& t : tensors)
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "stream_read_all: tensors must be contiguous CPU tensors");
+  typedef uint64_t Word __attribute__((vector_size(64)));  // one cache line; AVX-512 loads where the CPU has them
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<uint64_t> folded(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      Word a{}, b{}, c{}, d{};
+      uint64_t tail = 0;
+      for (const auto& x : tensors) {
+        const auto* p = static_cast<const unsigned char*>(x.data_ptr());
+        const int64_t n = x.numel() * x.element_size();
+        int64_t i = 0;
+        for (; i + 256 <= n; i += 256) {
+          Word v[4];
+          std::memcpy(v, p + i, sizeof v);
+          a ^= v[0];
+          b ^= v[1];
+          c ^= v[2];
+          d ^= v[3];
+        }
+        for (; i < n; ++i) tail ^= p[i];
+      }
+      const Word all = a ^ b ^ c ^ d;
+      for (int w = 0; w < 8; ++w) tail ^= all[w];
+      folded[t] = tail;
+    }
+  });
+  uint64_t all = 0;
+  for (uint64_t v : folded) all ^= v;
+  return static_cast<int64_t>(all & 0x7FFFFFFFFFFFFFFFull);
 }
 
 struct DecodeLayerWeights {
@@ -118,7 +151,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor positions,
                             torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t intermediate, double eps, double scale, torch::Tensor final_norm,
-                            torch::Tensor token_table) {
+                            torch::Tensor token_table, int64_t split_rows) {
   constexpr size_t kPerLayer = 7;
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(weights.size() == kPerLayer * kv_caches.size(), "decode_layers: ", kPerLayer,
@@ -227,7 +260,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   };
   const std::vector<int64_t> cuts = row_groups(lens.data_ptr<int64_t>(), B, at::get_num_threads(),
                                                layer_flops_per_row(hidden, q_size, kv_size, intermediate),
-                                               layers > 0 ? 2 * kv_size * kv_caches[0].element_size() : 0);
+                                               layers > 0 ? 2 * kv_size * kv_caches[0].element_size() : 0,
+                                               split_rows);
   if (cuts.size() <= 2) {
     run_rows(0, B);  // one group: every kernel shares its rows out over the threads
   } else {
