@@ -65,3 +65,32 @@ def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_on
         assert llm.engine.model.decode_split_rows == decode_split.MIN_ROWS
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not lin._panel_kernel(), reason="the CPU extension")
+def test_stream_read_all_reads_every_byte_of_every_tensor():
+    """With an odd number of threads the folded value is one thread's: the xor of every 8-byte word of each
+    tensor's whole 256-byte chunks and of each byte after them."""
+    from engine.models.cpu_kernels import cpu_kernels
+
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (4096, 1000, 7)]
+    tensors.append(torch.randn(33, 17, generator=g))
+    expected = 0
+    for t in tensors:
+        raw = t.view(torch.uint8).flatten()
+        whole = raw.numel() // 256 * 256
+        for word in raw[:whole].view(torch.int64).tolist():
+            expected ^= word & 0xFFFFFFFFFFFFFFFF
+        for byte in raw[whole:].tolist():
+            expected ^= byte
+    expected &= 0x7FFFFFFFFFFFFFFF
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert cpu_kernels().stream_read_all(tensors) == expected
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels().stream_read_all([torch.randn(8, 8).t()])
