@@ -62,6 +62,26 @@ def test_gguf_weights_pack_compactly_and_compute_bitwise_as_fp32_panels(kind, n,
     assert torch.equal(ops.panel_linear(wide[:, :k], packed, n, None), ops.panel_linear(wide[:, :k], fp32, n, None))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_runs_of_any_width_compute_bitwise_as_fp32_panels(threads):
+    """1-4 rows take 1-4 panels side by side, the width chosen so that the runs share out evenly over the threads
+    (18 panels on 2 threads: three wide): every width gives the fp32 panels' bits."""
+    ops = cpu_kernels()
+    rng = np.random.default_rng(threads)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for n in (576, 160, 960):  # 18, 5 and 30 panels
+            w = gguf_roundtrip((rng.standard_normal((n, 64)) * 0.05).astype(np.float32), "Q4_1")
+            packed = cw.pack_compact(w, ops.pack_compact_panels, ops.compact_panels_match)
+            fp32 = ops.pack_panels(w)
+            for rows in (1, 2, 4):
+                x = torch.randn(rows, 64)
+                assert torch.equal(bits(ops.panel_linear(x, packed, n, None)), bits(ops.panel_linear(x, fp32, n, None)))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_weights_that_are_not_exact_codes_keep_fp32_panels(caplog):
     ops = cpu_kernels()
     rng = np.random.default_rng(0)

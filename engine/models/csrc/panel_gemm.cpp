@@ -230,18 +230,51 @@ static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t 
 using FusedFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t, const float*,
                          int64_t);
 
-// Panels side by side for `rows` rows: 4 for one row, 2 for 2-4 rows, else 1 (the registers allow no more).
+// Panels side by side for `rows` rows: up to 4 for one row, 2 for 2-4 rows, else 1 (the registers allow no more).
 constexpr int fused_width(int rows) { return rows == 1 ? 4 : (rows <= 4 ? 2 : 1); }
+constexpr int kMaxFusedWidth = 4;
 
-template <bool kAffine, int... R>
-constexpr std::array<std::array<FusedFn, 2>, sizeof...(R) + 1> fused_table(std::integer_sequence<int, R...>) {
-  return {{{nullptr, nullptr}, {fused_rows<R + 1, 1, kAffine>, fused_rows<R + 1, fused_width(R + 1), kAffine>}...}};
+// fused_rows<R, NP> where NP panels side by side fit R rows' registers, else nullptr (not instantiated).
+template <int R, int NP, bool kAffine>
+constexpr FusedFn fused_fn() {
+  if constexpr (NP <= fused_width(R)) return fused_rows<R, NP, kAffine>;
+  else return nullptr;
 }
 
-// [affine][rows][wide]: wide runs fused_width(rows) panels at once, narrow one panel (for the panels left over).
-static constexpr std::array<std::array<FusedFn, 2>, kFusedMaxRows + 1> kFused[2] = {
+template <bool kAffine, int... R>
+constexpr std::array<std::array<FusedFn, kMaxFusedWidth + 1>, sizeof...(R) + 1> fused_table(
+    std::integer_sequence<int, R...>) {
+  return {{{},
+           {nullptr, fused_fn<R + 1, 1, kAffine>(), fused_fn<R + 1, 2, kAffine>(), fused_fn<R + 1, 3, kAffine>(),
+            fused_fn<R + 1, 4, kAffine>()}...}};
+}
+
+// [affine][rows][panels side by side].
+static constexpr std::array<std::array<FusedFn, kMaxFusedWidth + 1>, kFusedMaxRows + 1> kFused[2] = {
     fused_table<false>(std::make_integer_sequence<int, kFusedMaxRows>{}),
     fused_table<true>(std::make_integer_sequence<int, kFusedMaxRows>{})};
+
+// How many of P panels a fused run takes side by side for `rows` rows over `threads` threads: the runs are shared
+// out in contiguous equal counts (at::parallel_for), so the width is the one, up to fused_width(rows), that leaves
+// the busiest thread the fewest panels, the widest of those (more independent FMA chains). SmolLM2's o_proj and
+// down_proj have 18 panels: four wide that is five runs, three on one thread of two (12 panels against 6); three
+// wide it is six runs, nine panels each. Every output is the same FMA chain whatever the width. A decode step's
+// linears on SmolLM2's compact panels against always 4 (2) wide: 1.08x at one row, 1.03x at 2 and 4 (Intel Xeon VM,
+// `.venv/bin/python -m bench.compact_linears --rows 1 2 4 8 --rounds 40`, 2026-12-06).
+static int fused_run_width(int64_t rows, int64_t P, int64_t threads) {
+  const int widest = fused_width(static_cast<int>(rows));
+  int best = widest;
+  int64_t fewest = P + 1;
+  for (int w = widest; w >= 1; --w) {
+    const int64_t runs = (P + w - 1) / w, per_thread = (runs + threads - 1) / threads;
+    const int64_t busiest = std::min<int64_t>(per_thread * w, P);
+    if (busiest < fewest) {
+      fewest = busiest;
+      best = w;
+    }
+  }
+  return best;
+}
 
 // A thread's scratch for one rebuilt panel, grown as needed and kept for the thread's life.
 static float* panel_scratch(int64_t floats) {
@@ -411,18 +444,18 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   // next compact panel, a sixth or a quarter of the lines of an fp32 one.
   if (compact && M <= kFusedMaxRows) {
     const bool affine = block == kAffine4Block;
-    const int64_t wide = fused_width(static_cast<int>(M));
+    const int64_t wide = fused_run_width(M, P, at::get_num_threads());
     const int64_t units = (P + wide - 1) / wide;  // runs of `wide` panels, the last maybe shorter
     at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t first = u * wide, last = std::min(P, first + wide);
         const auto* src = reinterpret_cast<const uint8_t*>(wp);
         if (last - first == wide) {
-          kFused[affine][M][1](xp, lda, src + first * panel_bytes, panel_bytes, K / kGroup, yp + first * kCols, N,
-                               bp ? bp + first * kCols : nullptr, N - first * kCols);
+          kFused[affine][M][wide](xp, lda, src + first * panel_bytes, panel_bytes, K / kGroup, yp + first * kCols, N,
+                                  bp ? bp + first * kCols : nullptr, N - first * kCols);
         } else {
           for (int64_t p = first; p < last; ++p)
-            kFused[affine][M][0](xp, lda, src + p * panel_bytes, panel_bytes, K / kGroup, yp + p * kCols, N,
+            kFused[affine][M][1](xp, lda, src + p * panel_bytes, panel_bytes, K / kGroup, yp + p * kCols, N,
                                  bp ? bp + p * kCols : nullptr, N - p * kCols);
         }
       }
