@@ -78,8 +78,9 @@ class EngineConfig:
     # CPU, 2+ threads: rows per thread from which the one-call decoder gives each thread its own group of rows,
     # each thread then streaming the whole weight for its rows (engine/models/decode_split.py). "auto": measured
     # at engine start (the fp32 GEMM rate against how fast the threads stream the packed weights, about 0.2 s):
-    # 8 on the AMD dev VM, about 26 on the Intel one, where splitting below that made decode steps 0.82-0.99x
-    # as fast (bench.decode_split). An integer >= 1 fixes it.
+    # 24-25 for fp32 panels on the Intel dev VM, where splitting below that made decode steps 0.82-0.99x as fast
+    # (bench.decode_split); the AMD VM measured the split 1.03-1.06x from 8 rows a thread (MIN_ROWS). An integer
+    # >= 1 fixes it.
     cpu_decode_split_rows: int | str = "auto"
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace).

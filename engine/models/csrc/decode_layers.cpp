@@ -65,7 +65,7 @@ static int64_t layer_flops_per_row(int64_t hidden, int64_t q_size, int64_t kv_si
 // GEMMs and attention on its half of the rows each took a little less time than the whole machine's on all of
 // them. The price is that every thread streams the whole weight for its own rows: on the 2-core Intel Xeon VM
 // (30 GB/s of reads against 330 GFLOP/s), 0.82x at batch 16, 0.91x at 32, 0.99x at 48 and 1.02x at 64 (same
-// benchmark, 2026-12-06 03:32 UTC). The engine therefore picks split_rows per machine (engine/models/
+// benchmark, 2026-12-06 03:32 and 03:48 UTC). The engine therefore picks split_rows per machine (engine/models/
 // decode_split.py): the rows from which a thread's GEMMs on its own copy of the weight stream are compute-bound.
 // Every kernel computes a row the same way whatever rows share its call, so the results are bitwise the same
 // either way.
