@@ -16,8 +16,8 @@ about `--tokens` (16) decode steps a round in which every request decodes. The t
 in one process (the model's `decode_split_rows`); a round's figure is the median of its full-batch decode steps (the
 engine's own step time, LM head and sampling included), and the verdict is the median of the rounds' ratios, each
 against the other way's round next to it. A read probe after each pair of rounds gives the memory rate of that
-moment: this VM's read rate moves between about 35 and 70 GB/s within seconds. The two ways' greedy tokens must be
-equal. Writes bench/results/decode_split.json and its section of docs/BENCHMARKS.md.
+moment: the AMD dev VM's read rate moved between about 35 and 70 GB/s within seconds (the Intel one's stays near
+30). The two ways' greedy tokens must be equal. Writes bench/results/decode_split.json and its section of docs/BENCHMARKS.md.
 
 `--compact` runs the engine with exact compact panels instead (cpu_compact_weights, what the defaults pack for
 SmolLM2: the kernel rebuilds each panel's fp32 values from 4-bit and 8-bit codes, so split, every thread rebuilds
