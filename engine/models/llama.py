@@ -304,14 +304,17 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach(),
             token_table if token_table is not None else _EMPTY, self.decode_split_rows)
 
+    @staticmethod
+    def layer_linears(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """A decoder layer's projections in the order a step runs them: qkv, o, gate_up, down."""
+        return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
     def choose_decode_split(self) -> decode_split.SplitChoice | None:
         """Measure this machine's GEMM rate and how fast it streams the layers' packed weights, and set
         decode_split_rows from them (decode_split.choose); None where decode_layers does not run."""
         if self._fused_decode is None:
             return None
-        linears = [m for layer in self.layers
-                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                             layer.mlp.down_proj)]
+        linears = [m for layer in self.layers for m in self.layer_linears(layer)]
         choice = decode_split.choose([m.packed for m in linears], sum(m.in_features * m.out_features for m in linears))
         self.decode_split_rows = choice.rows
         return choice
@@ -334,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
         weights: list[torch.Tensor] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = self.layer_linears(layer)
             if (attn.q_norm is not None or attn.backend is not first.self_attn.backend
                     or any(type(m) is not Linear or not is_panel_packed(m.packed) for m in linears)
                     or any(m.bias is not None for m in linears[1:])
