@@ -45,7 +45,14 @@ from engine.models.cpu_kernels import cpu_kernels
 
 # decode_layers' arguments that belong to one step: x, slot_mapping, block_tables, seq_lens, positions.
 STEP_ARGS = (0, 4, 5, 6, 7)
+MAX_BATCHED_TOKENS = 2048
 ARMS = ("step", "linears", "linears_cached", "attention", "lm_head")
+
+
+def output_tokens(prompt_tokens: int, token_budget: int) -> int:
+    """Tokens each request asks for: enough that every request still runs when the last prompt's prefill is
+    done (the first requests decode during the other prompts' prefill steps)."""
+    return 2 + -(-prompt_tokens // token_budget)
 
 
 def capture_decode_call(llm: LLM, prompts: list[list[int]], tag: str) -> tuple[tuple, torch.Tensor]:
@@ -67,9 +74,7 @@ def capture_decode_call(llm: LLM, prompts: list[list[int]], tag: str) -> tuple[t
             kept.append((tuple(saved), out.clone()))
         return out
 
-    # Every request must still be running when the last prompt's prefill is done.
-    budget = engine.config.max_num_batched_tokens
-    params = greedy(2 + -(-sum(map(len, prompts)) // budget))
+    params = greedy(output_tokens(sum(map(len, prompts)), engine.config.max_num_batched_tokens))
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     ops.decode_layers = keep
@@ -170,8 +175,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model("smollm2")
     mc = ModelConfig.from_folder(path)
-    kv_tokens = max(args.batches) * (args.context + 64)
-    llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048,
+    most = max(args.batches)
+    kv_tokens = most * (args.context + output_tokens(most * args.context, MAX_BATCHED_TOKENS) + 32)
+    llm = LLM(model=str(path), dtype="float32", max_num_seqs=64, max_num_batched_tokens=MAX_BATCHED_TOKENS,
               num_threads=args.threads, cpu_prepack_weights=True, cpu_compact_weights=False,
               kv_cache_memory_bytes=kv_tokens * roofline.kv_bytes_per_token(mc))
     model = llm.engine.model
