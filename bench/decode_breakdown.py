@@ -58,9 +58,9 @@ def output_tokens(prompt_tokens: int, token_budget: int) -> int:
 def capture_decode_call(llm: LLM, prompts: list[list[int]], tag: str) -> tuple[tuple, torch.Tensor]:
     """The arguments of the first decode_layers call in which every request of `prompts` decodes, and what that
     call returned; the requests are then aborted. Raises where the engine never calls decode_layers (it
-    runs on AVX-512 panels). The arguments are the engine's own (its weights, KV caches, block tables), the step's
-    step's own tensors copied (decode_layers updates hidden-state rows in place, and the engine may reuse its
-    metadata buffers)."""
+    runs on AVX-512 panels). The weights, KV caches and model constants are the engine's own; the step's own
+    tensors (its rows, slots, block tables, lengths, positions) are copies, as decode_layers updates hidden-state
+    rows in place and the engine may reuse its metadata buffers."""
     ops, engine = cpu_kernels(), llm.engine
     real, kept = ops.decode_layers, []
 
