@@ -6,7 +6,7 @@ earlier commit's.
 
 SmolLM2's fp32 weights are exactly 4-bit and 8-bit codes times fp16 scales, so the engine's defaults keep them as
 compact panels (cpu_prepack_weights: auto), which calls of 1-12 rows read straight from the codes (panel_gemm.cpp's
-fused runs). One pass is what a decode step of `rows` tokens asks of the kernel: the 30 layers' qkv, o_proj,
+fused runs) and calls of 13-256 rows rebuild panel by panel into a scratch first. One pass is what a decode step of `rows` tokens asks of the kernel: the 30 layers' qkv, o_proj,
 gate_up and down products and the tied LM head, on the engine's own packed weights. Two arms, both calling the
 kernel directly: this tree's panel_linear and the one built from engine/models/csrc/panel_gemm.cpp at git revision
 BASE, reading the same packed weights. They alternate, the order swapped every round; their outputs must be
@@ -71,12 +71,12 @@ def compare(this, base, linears, rows: int, rounds: int, advance=lambda: None) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=DEFAULT_BASE, help=f"git revision of the baseline kernel (default {DEFAULT_BASE})")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows a pass (tokens in the step), 1-12")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows a pass (tokens in the step), 1-256")
     ap.add_argument("--rounds", type=int, default=40, help="alternations of the two kernels (default 40)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     args = ap.parse_args()
-    if args.rounds < 1 or any(not 1 <= r <= 12 for r in args.rows):
-        ap.error("--rounds must be at least 1 and --rows between 1 and 12 (the fused runs' range)")
+    if args.rounds < 1 or any(not 1 <= r <= 256 for r in args.rows):
+        ap.error("--rounds must be at least 1 and --rows between 1 and 256 (the panel kernel's range)")
     if cpu_kernels() is None or not cpu_kernels().panel_gemm_available():
         raise SystemExit("the panel kernel needs AVX-512 and the CPU extension, which this machine lacks")
     torch.set_num_threads(args.threads)

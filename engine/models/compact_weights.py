@@ -7,7 +7,8 @@ from the fp32 tensor alone: per group, the offset is the smallest value, the sca
 the fp16 values next to (largest - smallest) / 15 (or largest magnitude / 127, 8 or 7), and the codes
 are the rounded quotients (engine/models/csrc/compact_codes.cpp, one pass per group straight into the
 panels). The panel kernel (engine/models/csrc/panel_gemm.cpp) rebuilds each panel
-from the codes with the same two roundings, so it runs on exactly the fp32 values, bit for bit; the
+from the codes to the same values (Q4_1's code * d is exact in fp32, so one FMA rounds as the add does),
+so it runs on exactly the fp32 values, bit for bit; the
 packer checks that by rebuilding every panel with the kernel's code and comparing its bits, and keeps the fp32 panels
 for any weight that does not round-trip. A decode step then streams 0.625 bytes per weight (4-bit
 codes) or 1.0625 (8-bit) instead of 4.

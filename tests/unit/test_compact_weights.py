@@ -272,3 +272,30 @@ def test_compact_rows_rebuild_embedding_rows_bit_for_bit():
         assert torch.equal(bits(ops.compact_rows(packed, ids, 70)), bits(table[ids.view(-1)]))
         with pytest.raises(RuntimeError, match="row 70 outside"):
             ops.compact_rows(packed, torch.tensor([1, 70]), 70)
+
+
+def test_affine_codes_rebuild_bitwise_at_extreme_scales_and_signed_offsets():
+    """Q4_1's value is fl(fl(code * d) + m); the kernel computes it as one FMA, which is the same because a 4-bit
+    code times an fp16 d is exact in fp32. Here at the ends of fp16 (subnormal and large d) and with offsets of
+    both signs and both zeros, through the packer's check, the rebuild and every path of the kernel."""
+    ops = cpu_kernels()
+    rng = np.random.default_rng(11)
+    scales = [2.0**-24, 2.0**-14 * 0.75, 1e-3, 0.1, 7.0, 1000.0, 65504.0]
+    rows, k = 32, 64
+    w = np.empty((rows, k), dtype=np.float32)
+    for r in range(rows):
+        for g in range(k // 32):
+            d = np.float32(np.float16(scales[(r + g) % len(scales)]))
+            m = np.float32(np.float16([0.0, -0.0, -7.5, 3.25][(r * 2 + g) % 4] * min(float(d), 1000.0)))
+            codes = rng.integers(0, 16, 32).astype(np.float32)
+            codes[:2] = (0, 15)  # the group spans the whole code range, so its scale and offset are recoverable
+            w[r, g * 32:(g + 1) * 32] = (codes * d).astype(np.float32) + m  # two float32 roundings
+    weight = torch.from_numpy(w)
+    packed = cw.pack_compact(weight, ops.pack_compact_panels, ops.compact_panels_match)
+    assert packed is not None and packed.shape[2] == cw.AFFINE4_BLOCK
+    assert torch.equal(bits(ops.unpack_compact_panels(packed, rows)), bits(weight))
+    assert torch.equal(bits(ops.compact_rows(packed, torch.arange(rows), rows)), bits(weight))
+    fp32 = ops.pack_panels(weight)
+    for n in (1, 3, 12, 20):
+        x = torch.randn(n, k)
+        assert torch.equal(bits(ops.panel_linear(x, packed, rows, None)), bits(ops.panel_linear(x, fp32, rows, None)))

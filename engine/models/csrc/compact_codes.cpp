@@ -37,8 +37,8 @@ static inline uint32_t bits_of(float x) {
 }
 
 // Codes of one group x (two vectors of 16) for scale s (offset o, or none), and whether they rebuild all of x
-// bit for bit; 16 values per instruction. The multiply and the add round separately (panel_gemm's mul_rn and
-// add_rn, never contracted into an FMA), as rebuild_panel computes them.
+// bit for bit; 16 values per instruction, computed as rebuild_panel computes them (panel_gemm's mul_rn, and
+// affine4_value for an offset).
 template <bool kAffine>
 static inline bool fits(const __m512 x[2], float s, float o, float low, float high, int32_t* codes) {
   const __m512 vs = _mm512_set1_ps(s), div = _mm512_set1_ps(s != 0.f ? s : 1.f), vo = _mm512_set1_ps(o);
@@ -52,8 +52,7 @@ static inline bool fits(const __m512 x[2], float s, float o, float low, float hi
                                     hi)
                     : zero;
     q[h] = _mm512_add_ps(q[h], zero);  // a rounded -0.0 becomes the +0.0 that the kernel's integer code 0 converts to
-    __m512 r = panel_gemm::mul_rn(q[h], vs);
-    if (kAffine) r = panel_gemm::add_rn(r, vo);
+    const __m512 r = kAffine ? panel_gemm::affine4_value(q[h], vs, vo) : panel_gemm::mul_rn(q[h], vs);
     if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(r), _mm512_castps_si512(x[h]))) return false;
   }
   for (int h = 0; h < 2; ++h) _mm512_storeu_si512(codes + 16 * h, _mm512_cvtps_epi32(q[h]));
