@@ -130,22 +130,28 @@ static inline __m512 mul_rn(__m512 a, __m512 b) {
 static inline __m512 affine4_value(__m512 code, __m512 scale, __m512 offset) {
   return _mm512_fmadd_ps(code, scale, offset);
 }
+// The two 4-bit codes of each of 16 bytes (zero-extended to 32-bit lanes in v) as floats: the low nibble (column j)
+// in lo, the high one (column j + 16) in hi. A permute from the table 0.0 .. 15.0 reads only an index's low 4 bits,
+// so it is the AND and the conversion in one op (the same values).
+static inline void nibble_floats(__m512i v, __m512& lo, __m512& hi) {
+  const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  lo = _mm512_permutexvar_ps(v, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
 static inline __m512 half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // One panel's K x 32 fp32 values (groups x 32 steps) into `out`, 64-byte aligned.
 static void rebuild_panel(const uint8_t* src, int64_t groups, int64_t block, float* out) {
-  const __m512i nibble = _mm512_set1_epi32(0xF);
   for (int64_t g = 0; g < groups; ++g, src += block, out += kGroup * kCols) {
     const __m512 s0 = half16(src), s1 = half16(src + 32);
     if (block == kAffine4Block) {
       const __m512 o0 = half16(src + 64), o1 = half16(src + 96);
       const uint8_t* codes = src + 128;
       for (int64_t k = 0; k < kGroup; ++k) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * k)));
-        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
-        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        __m512 q0, q1;
+        nibble_floats(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * k))), q0, q1);
         _mm512_store_ps(out + k * kCols, affine4_value(q0, s0, o0));
         _mm512_store_ps(out + k * kCols + 16, affine4_value(q1, s1, o1));
       }
@@ -173,9 +179,10 @@ template <bool kAffine>
 static inline void rebuild_step(const uint8_t* blk, int64_t k, const __m512 s[2], const __m512 o[2], __m512& w0,
                                 __m512& w1) {
   if constexpr (kAffine) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * k)));
-    w0 = affine4_value(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))), s[0], o[0]);
-    w1 = affine4_value(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[1], o[1]);
+    __m512 q0, q1;
+    nibble_floats(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * k))), q0, q1);
+    w0 = affine4_value(q0, s[0], o[0]);
+    w1 = affine4_value(q1, s[1], o[1]);
   } else {
     const uint8_t* codes = blk + 64 + 32 * k;
     w0 = mul_rn(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes)))), s[0]);
