@@ -39,7 +39,7 @@ KERNEL = "engine/models/csrc/panel_gemm.cpp"
 
 def step_linears(model) -> list[tuple[torch.Tensor, int, int]]:
     """(packed weight, in_features, out_features) of every linear a decode step runs, the tied LM head last."""
-    out = [(m.packed, m.in_features, m.out_features) for layer in model.layers for m in model.layer_linears(layer)]
+    out = [(m.packed, m.in_features, m.out_features) for m in model.decoder_linears()]
     head = model.embed_tokens.packed_head
     if head is not None:
         out.append((head, model.config.hidden_size, model.config.vocab_size))

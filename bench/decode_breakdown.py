@@ -100,7 +100,7 @@ def arms(model, args: tuple, rows: int) -> dict[str, Callable[[], object]]:
     step_x = args[0]
     kv_caches, tables, lens = args[2], args[5], args[6]
     scale = model.layers[0].self_attn.backend.scale
-    linears = [m for layer in model.layers for m in model.layer_linears(layer)]
+    linears = model.decoder_linears()
     cached = list(model.layer_linears(model.layers[0])) * len(model.layers)
     g = torch.Generator().manual_seed(rows)
     xs = {n: torch.randn(rows, n, generator=g) for n in {m.in_features for m in linears}}
@@ -184,7 +184,7 @@ def main() -> None:
     text = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     if len(text) < args.context + max(args.batches):
         ap.error(f"--context {args.context} is longer than the text allows ({len(text)} tokens)")
-    linears = [m for layer in model.layers for m in model.layer_linears(layer)]
+    linears = model.decoder_linears()
     layer_flops = sum(2 * m.in_features * m.out_features for m in linears)
     weight_bytes = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     kv_row_bytes = roofline.kv_bytes_per_token(mc)

@@ -309,12 +309,17 @@ class LlamaForCausalLM(nn.Module):
         """A decoder layer's projections in the order a step runs them: qkv, o, gate_up, down."""
         return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
+    def decoder_linears(self) -> list[nn.Module]:
+        """Every layer's projections (layer_linears), layer after layer: the 120 products of a step's decoder for
+        SmolLM2, the LM head not included."""
+        return [m for layer in self.layers for m in self.layer_linears(layer)]
+
     def choose_decode_split(self) -> decode_split.SplitChoice | None:
         """Measure this machine's GEMM rate and how fast it streams the layers' packed weights, and set
         decode_split_rows from them (decode_split.choose); None where decode_layers does not run."""
         if self._fused_decode is None:
             return None
-        linears = [m for layer in self.layers for m in self.layer_linears(layer)]
+        linears = self.decoder_linears()
         choice = decode_split.choose([m.packed for m in linears], sum(m.in_features * m.out_features for m in linears))
         self.decode_split_rows = choice.rows
         return choice

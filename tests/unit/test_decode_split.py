@@ -54,7 +54,7 @@ def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_on
         assert model.decode_split_rows == choice.rows == decode_split.split_rows(
             choice.gemm_gflops, choice.stream_gbps, choice.bytes_per_weight)
         # The layers' fp32 panels: 4 bytes a weight, more where out_features is padded to the panels' 32 columns.
-        linears = [m for layer in model.layers for m in model.layer_linears(layer)]
+        linears = model.decoder_linears()
         packed = sum(m.packed.numel() * m.packed.element_size() for m in linears)
         assert choice.bytes_per_weight == pytest.approx(packed / sum(m.in_features * m.out_features for m in linears))
         assert choice.bytes_per_weight >= 4
