@@ -83,8 +83,10 @@ class EngineConfig:
     # >= 1 fixes it.
     cpu_decode_split_rows: int | str = "auto"
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
-    # preallocated workspace, adding into the residual in place (0: one pass, no workspace).
-    activation_chunk_rows: int = 512
+    # preallocated workspace, adding into the residual in place (0: one pass, no workspace). No workspace
+    # either where no step can be longer (max_num_batched_tokens). 2048: taller products than 512-row
+    # chunks, 1.07x faster prefill steps on the CPU (docs/BENCHMARKS.md, bench.activation_chunk).
+    activation_chunk_rows: int = 2048
     attention_backend: str = "auto"
     num_threads: int | None = None
     seed: int = 0

@@ -125,7 +125,7 @@ class EngineCore:
                          c.rows, c.gemm_gflops, c.stream_gbps, c.bytes_per_weight, c.seconds)
         if self.device.type == "cuda" and config.gpu_fused_kernels:
             self.model.enable_triton_fusions()
-        if config.activation_chunk_rows:
+        if 0 < config.activation_chunk_rows < config.max_num_batched_tokens:
             self.model.use_workspace(ActivationWorkspace(config.activation_chunk_rows, mc.hidden_size,
                                                          mc.intermediate_size, self.dtype, self.device))
         self.weight_bytes = weight_bytes(self.model)

@@ -155,7 +155,7 @@ class MemoryConfig(_Section):
     enable_prefix_caching: bool = True
     embedding_offload: bool = False
     # Prefills longer than this many tokens run the MLP in chunks through a preallocated workspace.
-    activation_chunk_rows: NonNegativeInt = 512
+    activation_chunk_rows: NonNegativeInt = 2048
     # fp32 on the CPU: a packed copy of each linear weight (panel kernel or oneDNN), for faster decode batches;
     # "auto": only where the copy is compact (below), a fraction of the weights' bytes; true: every weight.
     cpu_prepack_weights: bool | Literal["auto"] = "auto"

@@ -101,3 +101,14 @@ def test_quantized_model_runs_chunked(tiny_llama):
 def test_negative_chunk_rows_is_a_clear_error():
     with pytest.raises(InvalidRequestError, match="activation_chunk_rows"):
         EngineConfig(activation_chunk_rows=-1)
+
+
+def test_no_workspace_where_no_step_can_outgrow_it(tiny_llama):
+    """A workspace only where a step may hold more rows than it (max_num_batched_tokens): the defaults'
+    2048-row chunks at a 2048-token budget would never be used, so none is allocated."""
+    at_budget = LLM(model=str(tiny_llama), dtype="float32", max_num_batched_tokens=2048)
+    assert at_budget.engine.config.activation_chunk_rows == 2048
+    assert at_budget.engine.model.layers[0].mlp.workspace is None
+    larger = LLM(model=str(tiny_llama), dtype="float32", max_num_batched_tokens=4096)
+    ws = larger.engine.model.layers[0].mlp.workspace
+    assert isinstance(ws, ActivationWorkspace) and ws.rows == 2048

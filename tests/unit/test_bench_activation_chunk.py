@@ -1,0 +1,32 @@
+"""bench.activation_chunk: a round is the engine's prefill steps, whatever workspace the model holds."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import LLM
+from engine.models.llama import ActivationWorkspace
+
+
+def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny_llama):
+    from bench import activation_chunk
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_batched_tokens=64, enable_prefix_caching=True)
+    model, cfg = llm.engine.model, llm.engine.model.config
+    assert model.layers[0].mlp.workspace is None  # 2048-row chunks at a 64-token budget: none allocated
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (50, 40, 33)]
+    results = {}
+    for rows in (16, 0):
+        model.use_workspace(ActivationWorkspace(rows, cfg.hidden_size, cfg.intermediate_size, torch.float32,
+                                                torch.device("cpu")) if rows else None)
+        calls: list[int] = []
+        hook = model.layers[0].mlp.gate_up_proj.register_forward_pre_hook(lambda _m, a: calls.append(a[0].shape[0]))
+        results[rows] = activation_chunk.run_round(llm, prompts, f"r{rows}")
+        hook.remove()
+        # 123 prompt tokens at 64 a step: two steps, so the 16-row arm runs its MLP in chunks of 16.
+        assert max(calls) == (16 if rows else 64)
+    for seconds, longest, tokens in results.values():
+        assert seconds > 0 and longest == 64 and len(tokens) == 3
+    # The second round prefilled full steps again: the prefix cache, reset before it, served no prompt.
+    assert results[16][2] == results[0][2]
