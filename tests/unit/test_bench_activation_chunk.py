@@ -21,7 +21,8 @@ def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny
         model.use_workspace(ActivationWorkspace(rows, cfg.hidden_size, cfg.intermediate_size, torch.float32,
                                                 torch.device("cpu")) if rows else None)
         calls: list[int] = []
-        hook = model.layers[0].mlp.gate_up_proj.register_forward_pre_hook(lambda _m, a: calls.append(a[0].shape[0]))
+        hook = model.layers[0].mlp.gate_up_proj.register_forward_pre_hook(
+            lambda _m, a, calls=calls: calls.append(a[0].shape[0]))
         results[rows] = activation_chunk.run_round(llm, prompts, f"r{rows}")
         hook.remove()
         # 123 prompt tokens at 64 a step: two steps, so the 16-row arm runs its MLP in chunks of 16.
