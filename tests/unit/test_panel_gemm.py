@@ -45,8 +45,9 @@ def test_rows_are_independent_of_the_batch():
         assert torch.equal(cpu_kernels().panel_linear(x[start:stop], packed, 75, b), full[start:stop])
 
 
-def test_calls_below_eight_rows_prefetch_page_heads_and_compute_the_same_bits():
-    # Fewer than 8 rows take the tile that prefetches 4 KiB page heads instead of the next panel; the panels here
+def test_calls_of_few_rows_prefetch_page_heads_and_compute_the_same_bits():
+    # Calls of few rows (fewer than 8 on AMD CPUs, single rows elsewhere: page_head_rows) take the tile that
+    # prefetches 4 KiB page heads instead of the next panel, the others spread the next panel; the panels here
     # span many pages (in_features 1536: 192 KiB each), in torch's pages and, where the host has them, in huge
     # pages. Only where lines go to L2 changes: each row's result is the 16-row call's, bit for bit.
     g = torch.Generator().manual_seed(5)

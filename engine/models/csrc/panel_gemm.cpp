@@ -26,13 +26,24 @@ namespace panel_gemm {
 
 constexpr int64_t kCols = 32;
 constexpr int kMaxTileRows = 12;
-// Calls with fewer rows prefetch page heads (tile's PF = kPageHeads) rather than the next panel.
-constexpr int64_t kPageHeadRows = 8;
+// Calls with fewer rows prefetch page heads (tile's PF = kPageHeads) rather than the next panel: 8 on AMD CPUs,
+// 2 (single rows only) on the others. Measured with `bench.panel_gemm --base REV --huge-pages`, all of a step's
+// linears: on the AMD EPYC dev VM page heads ran 1-7 rows 1.04-1.27x faster than the next panel's spread
+// prefetch (commit ed8ebfd); on the Intel Xeon dev VM of 2026-12-06 they ran 2, 3, 4 and 6 rows 1.05-1.17x,
+// 1.09-1.16x, 1.35-1.37x and 1.48-1.49x slower (two runs, medians of 25 alternating rounds' ratios) and single
+// rows alike (1.00-1.01x).
+static int64_t page_head_rows() {
+  static const int64_t rows = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? 8 : 2;
+  }();
+  return rows;
+}
 constexpr int kPageHeads = 3;
 // How far ahead of a tile's loads the page heads go (4 pages of 4 KiB).
 constexpr int64_t kPageHeadAhead = 16384;
 
-// PF = kPageHeads (calls of fewer than kPageHeadRows rows): the tile sends `prefetch` nothing, and instead, each
+// PF = kPageHeads (calls of fewer than page_head_rows() rows): the tile sends `prefetch` nothing, and instead, each
 // time its loads are kPageHeadAhead bytes short of a 4 KiB boundary, the first two lines past that boundary to L2.
 // Such a call is bound by the weight stream alone (a K step is a few cycles), and each thread reads one
 // contiguous run of panels: the hardware prefetcher carries the stream within a page but does not cross into
@@ -439,15 +450,15 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   float* yp = y.data_ptr<float>();
   // Rows split into equal tiles of at most 12 (50 rows: five of 10, not four of 12 and one of 2).
   const int64_t ntiles = (M + kMaxTileRows - 1) / kMaxTileRows, per = (M + ntiles - 1) / ntiles;
-  // From kPageHeadRows rows up (and for compact panels), each tile prefetches its share of the next panel
+  // From page_head_rows() rows up (and for compact panels), each tile prefetches its share of the next panel
   // into L2, spread over its K steps: one line per step,
   // or two where a single tile holds every row from 4 rows up (the panel's lines are 2 x K, so one line
   // per step would leave half of it to the hardware prefetcher). Below 4 rows a step is too short for two.
   // From 3 tiles up a share is fewer lines than steps, and goes out evenly over all of them (tile<.., 0>):
   // 1.06-1.14x at 32-64 rows over sending one a step from k = 0, bitwise the same.
   // `.venv/bin/python -m bench.panel_gemm --base REV` times this against an earlier commit's kernel.
-  // Below kPageHeadRows rows, fp32 panels' tiles send page heads instead (tile<.., kPageHeads>, which says why).
-  const bool page_heads = !compact && M < kPageHeadRows;
+  // Below page_head_rows() rows, fp32 panels' tiles send page heads instead (tile<.., kPageHeads>, which says why).
+  const bool page_heads = !compact && M < page_head_rows();
   const int64_t panel_lines = page_heads ? 0 : panel_bytes / 64;
   const int64_t pf = ntiles == 1 && M >= 4 ? 2 : 1;
   const int64_t share = std::min((panel_lines + ntiles - 1) / ntiles, pf * K);  // lines per tile
