@@ -27,7 +27,7 @@ def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny
         hook.remove()
         # 123 prompt tokens at 64 a step: two steps, so the 16-row arm runs its MLP in chunks of 16.
         assert max(calls) == (16 if rows else 64)
+    # Both rounds prefilled full 64-token steps: the prefix cache, reset before each round, served no prompt.
     for seconds, longest, tokens in results.values():
         assert seconds > 0 and longest == 64 and len(tokens) == 3
-    # The second round prefilled full steps again: the prefix cache, reset before it, served no prompt.
     assert results[16][2] == results[0][2]
