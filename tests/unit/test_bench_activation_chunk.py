@@ -31,3 +31,24 @@ def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny
     for seconds, longest, tokens in results.values():
         assert seconds > 0 and longest == 64 and len(tokens) == 3
     assert results[16][2] == results[0][2]
+
+
+def test_the_workload_rounds_alternate_the_arms_and_compare_their_tokens(tiny_llama):
+    from bench import activation_chunk
+    from bench.throughput import Workload
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_batched_tokens=64)
+    cfg = llm.engine.model.config
+    workspaces = {16: ActivationWorkspace(16, cfg.hidden_size, cfg.intermediate_size, torch.float32,
+                                          torch.device("cpu")), 0: None}
+    seen: list[object] = []
+    use = llm.engine.model.use_workspace
+    llm.engine.model.use_workspace = lambda ws: (seen.append(ws), use(ws))
+    w = Workload([list(range(3, 60)), list(range(5, 90))], [4, 3])
+    rounds = activation_chunk.run_workload(llm, [16, 0], workspaces, w, 2)
+    assert seen == [workspaces[16], None, None, workspaces[16]]  # the order turns every other round
+    assert len(rounds) == 2
+    for r in rounds:
+        assert set(r["wall_s"]) == set(r["prefill_steps_s"]) == {"16", "0"}
+        assert all(r["prefill_steps_s"][k] <= r["wall_s"][k] for k in ("16", "0"))
+        assert r["same_requests"] == {"16": 2, "0": 2}
