@@ -61,6 +61,23 @@ def test_the_target_row_judges_by_the_best_probe_while_the_table_shows_both() ->
     assert whole[2:] == ("50.0%", "no")
 
 
+def test_decode_bounds_in_turns_and_with_every_read_overlapped() -> None:
+    # The decode step (1 row, 4 context rows): 1.5 GFLOP at 10 GFLOP/s is 0.15 s of GEMM and no attention; its
+    # 1 GB of weights and 4 x 0.25 GB of KV at 10 GB/s are 0.1 s each.
+    r = run([10.0])
+    a = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=25 * 10**7, s=settings())
+    # In turns: max(GEMM 0.15, weights 0.1) + max(attention 0, KV 0.1) = 0.25 s, so at most 0.15 / 0.25.
+    assert a["decode_share_bound_serial"] == pytest.approx(0.6)
+    # Overlapped: max(compute 0.15, memory 0.2) = 0.2 s, so at most 0.15 / 0.2.
+    assert a["decode_share_bound_overlap"] == pytest.approx(0.75)
+    # The whole workload's 0.5 s of roofline pays 0.1 s more in turns and 0.05 s overlapped.
+    assert a["roofline_share_bound_serial"] == pytest.approx(0.5 / 0.6)
+    assert a["roofline_share_bound_overlap"] == pytest.approx(0.5 / 0.55)
+    # A step whose compute outlasts its bytes costs nothing more overlapped.
+    b = analyse(run([10.0]), FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
+    assert b["decode_share_bound_overlap"] == pytest.approx(1.0) and b["roofline_share_bound_overlap"] == 1.0
+
+
 def test_a_single_probe_adds_no_probe_row() -> None:
     r = run([10.0])
     a = analyse(r, FLOPS, weight_bytes=10**9, kv_token_bytes=0, s=settings())
