@@ -160,9 +160,9 @@ def main() -> None:
                   f"{statistics.median(r['prefill_steps_s'][k] for r in wr):.2f}",
                   f"{statistics.median(r['wall_s'][base] / r['wall_s'][k] for r in wr):.3f}×",
                   f"{statistics.median(r['prefill_steps_s'][base] / r['prefill_steps_s'][k] for r in wr):.3f}×",
-                  f"{sum(r['same_requests'][k] for r in wr)}/{len(wr) * Settings().num_requests}")
+                  f"{sum(r['same_requests'][k] for r in wr)}/{len(wr) * ws.num_requests}")
                  for k in map(str, args.rows)]
-        title = (f"bench.throughput's workload ({Settings().num_requests} requests, all submitted at once), "
+        title = (f"bench.throughput's workload ({ws.num_requests} requests, all submitted at once), "
                  f"{len(wr)} alternating rounds, medians")
         headers_w = ["activation_chunk_rows", "wall s", "prefill steps s", f"whole ÷ {base} rows",
                      f"prefill steps ÷ {base} rows", "same greedy requests"]
