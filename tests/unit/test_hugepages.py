@@ -10,9 +10,37 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, hugepages
-from engine.models.linear import Linear
+from engine.models import linear as linear_module
+from engine.models.linear import Linear, is_panel_packed
 
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="this host gives no transparent huge pages")
+
+
+@pytest.fixture(params=["panel-kernel", "onednn-packing"])
+def packing(request, monkeypatch):
+    """Both ways `prepack` packs an fp32 weight: panels for the panel kernel (AVX-512 hosts), or oneDNN's
+    opaque blocked layout (every other host, emulated here by hiding the panel kernel)."""
+    if request.param == "onednn-packing":
+        monkeypatch.setattr(linear_module, "_panel_kernel", lambda: False)
+    elif not linear_module._panel_kernel():
+        pytest.skip("this host has no AVX-512 panel kernel")
+    return request.param
+
+
+def carved(t: torch.Tensor) -> bool:
+    """A view into a larger region (an arena), not a tensor of its own."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
+def streamed_weight(qkv: Linear) -> torch.Tensor | None:
+    """What a decode step streams for `qkv` that huge pages can hold: its panel-packed copy, else its plain
+    weight; None for a oneDNN-packed copy, an opaque tensor that has no storage to move."""
+    if qkv.packed is None:
+        return qkv.weight
+    if is_panel_packed(qkv.packed):
+        return qkv.packed
+    assert qkv.packed.layout == torch._mkldnn
+    return None
 
 
 def huge_kib(t: torch.Tensor) -> int:
@@ -89,8 +117,8 @@ def test_without_huge_pages_callers_keep_torch_allocations(monkeypatch):
 @needs_thp
 @pytest.mark.parametrize("options", [dict(cpu_prepack_weights=True, cpu_compact_weights=False),
                                      dict(cpu_prepack_weights=False), dict(cache_bits=8)],
-                         ids=["fp32-panels", "plain-weights", "int8-kv"])
-def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge_pages(options):
+                         ids=["fp32-packed", "plain-weights", "int8-kv"])
+def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge_pages(options, packing):
     kw = dict(model="smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False,
               **options)
     prompts = ["The GNU General Public License is", "Once upon a time", "def fibonacci(n):"]
@@ -102,34 +130,35 @@ def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge
         cache = llm.engine.kv_caches[0]
         return cache.values if options.get("cache_bits") == 8 else cache
 
-    def carved(t):  # a view into a larger region (an arena), not a tensor of its own
-        return t.untyped_storage().nbytes() > t.numel() * t.element_size()
-
     assert carved(kv(huge)) and huge_kib(kv(huge)) > 0
     assert not carved(kv(plain))  # huge_pages false keeps torch's own allocation
     assert not carved(plain.engine.model.layers[0].self_attn.qkv_proj.weight)
-    # The weights a decode step streams moved too: each linear's packed copy, else its weight.
+    # The weights a decode step streams moved too: each linear's panel-packed copy, else its plain weight.
     qkv = huge.engine.model.layers[0].self_attn.qkv_proj
     assert type(qkv) is Linear
-    streamed = qkv.packed if qkv.packed is not None else qkv.weight
-    assert carved(streamed) and huge_kib(streamed) > 0
+    streamed = streamed_weight(qkv)
+    if options.get("cpu_prepack_weights") and packing == "onednn-packing":
+        assert streamed is None  # oneDNN owns its packed copy: it stays where oneDNN put it
+        assert not carved(qkv.weight)
+    else:
+        assert carved(streamed) and huge_kib(streamed) > 0
     if huge.engine.model._fused_decode is not None:  # the one-call decoder reads the moved copies
         assert any(w.data_ptr() == qkv.packed.data_ptr() for w in huge.engine.model._fused_decode)
 
 
 @needs_thp
-def test_by_default_only_the_decode_streamed_weights_move_to_huge_pages():
+def test_by_default_only_the_decode_streamed_weights_move_to_huge_pages(packing):
     """huge_pages "auto", the default: the weights a decode step streams move (within a time budget), the KV
-    cache keeps torch's own allocation, and the tokens are those of an engine without huge pages."""
+    cache keeps torch's own allocation, and the tokens are those of an engine without huge pages. Plain fp32
+    weights, so that both packings leave a weight that huge pages can hold."""
     kw = dict(model="smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False,
-              cpu_prepack_weights=True, cpu_compact_weights=False)
+              cpu_prepack_weights=packing == "panel-kernel", cpu_compact_weights=False)
     auto, plain = LLM(**kw), LLM(huge_pages=False, **kw)
     assert auto.engine.config.huge_pages == "auto"
-    qkv = auto.engine.model.layers[0].self_attn.qkv_proj
-    assert qkv.packed.untyped_storage().nbytes() > qkv.packed.numel() * 4  # carved from the arena
-    assert huge_kib(qkv.packed) > 0
+    streamed = streamed_weight(auto.engine.model.layers[0].self_attn.qkv_proj)
+    assert carved(streamed) and huge_kib(streamed) > 0
     kv = auto.engine.kv_caches[0]
-    assert kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()
+    assert not carved(kv)
     prompts = ["The GNU General Public License is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in auto.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
