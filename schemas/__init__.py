@@ -69,6 +69,7 @@ from schemas.results import (
     Usage,
     Violation,
     error_result,
+    result_key,
 )
 from schemas.validation import (
     DEFAULT_LIMITS,
@@ -125,6 +126,7 @@ __all__ = [
     "encode",
     "error_result",
     "format_for_content_type",
+    "result_key",
     "sniff_format",
     "usable_id",
     "validate_asr",

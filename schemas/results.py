@@ -2,8 +2,18 @@
 
 `Result` is one struct for every kind, not a tagged union: an error result
 must be able to echo a `kind` this service does not know (unsupported_kind),
-and clients read one shape from `infinilm.results`. The kind-specific fields
-are optional and omitted from the wire when unset.
+and clients read one shape from `infinilm.results`.
+
+The wire contract (what a plain `json.loads` / `msgpack.unpackb` client sees):
+- every result has `v`, `id`, `kind`, `status`, `text`, `finish_reason`,
+  `usage`, `timing`, `worker` and `model`; `finish_reason` is null on errors;
+- `error` ({code, message}) is present exactly when `status` is "error";
+- asr results add `stream_id`, `seq` and `committed_text` (an asr error
+  result has `stream_id` and `seq` when the request was readable);
+- risk results add `items`, each with every field of `RiskItemResult`;
+- chat results add `compliance` when the request had `rules`;
+- every delta and dead letter has all its fields (null where unset).
+tests/unit/schemas/test_wire_contract.py pins these key sets.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ from typing import Literal
 import msgspec
 
 from schemas.errors import ErrorCode, ErrorInfo
-from schemas.version import version_field
+from schemas.version import always_written, version_field
 
 # finish_reason values workers write today. Readers must accept others, so the
 # field is a plain str: a new reason must not break an old client.
@@ -22,8 +32,8 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 Status = Literal["ok", "error"]
 
 
-class _Record(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
-    pass
+class _Record(msgspec.Struct, frozen=True, kw_only=True):
+    """Nested records write every field: a client indexing `violations` or `label` finds the key."""
 
 
 # Usage and Timing always write every field: a JSON client reading
@@ -66,8 +76,8 @@ class RiskItemResult(_Record, kw_only=True):
     label: str | None = None
 
 
-class Result(_Record, kw_only=True):
-    """The one final answer to a request (topic `infinilm.results`, key = request id).
+class Result(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """The one final answer to a request (topic `infinilm.results`; key = request id, or the stream id for asr).
 
     `status` is "ok" or "error"; when "error", `error` says why and the other
     fields hold whatever was known. Kind-specific fields, None unless set:
@@ -79,15 +89,16 @@ class Result(_Record, kw_only=True):
     id: str
     # A str, not a Literal: error results echo kinds we do not serve, or "" when none was readable.
     kind: str
-    status: Status = "ok"
+    # always_written: omit_defaults would drop these at their defaults, and the contract says every result has them.
+    status: Status = always_written("ok")
     error: ErrorInfo | None = None
-    text: str = ""
-    finish_reason: str | None = None
+    text: str = always_written("")
+    finish_reason: str | None = always_written(None)
     # default_factory of our own types: never omitted, so every result shows usage and timing.
     usage: Usage = msgspec.field(default_factory=Usage)
     timing: Timing = msgspec.field(default_factory=Timing)
-    worker: str = ""
-    model: str = ""
+    worker: str = always_written("")
+    model: str = always_written("")
     stream_id: str | None = None
     seq: int | None = None
     committed_text: str | None = None
@@ -95,7 +106,7 @@ class Result(_Record, kw_only=True):
     compliance: Compliance | None = None
 
 
-class Delta(_Record, kw_only=True):
+class Delta(msgspec.Struct, frozen=True, kw_only=True):
     """A piece of streamed output (topic `infinilm.deltas`, best effort, key = request id).
 
     `index` counts the deltas of one request from 0, so a client can spot a
@@ -119,8 +130,10 @@ def error_result(
     worker: str = "",
     model: str = "",
     timing: Timing | None = None,
+    stream_id: str | None = None,
+    seq: int | None = None,
 ) -> Result:
-    """An error `Result`; `kind` None (unreadable) is written as ""."""
+    """An error `Result`; `kind` None (unreadable) is written as "". An asr chunk's error names its stream."""
     return Result(
         id=request_id,
         kind=kind or "",
@@ -129,4 +142,12 @@ def error_result(
         worker=worker,
         model=model,
         timing=timing if timing is not None else Timing(),
+        stream_id=stream_id,
+        seq=seq,
     )
+
+
+def result_key(result: Result) -> bytes:
+    """The Kafka key of a result: the stream id for asr, so one stream's results share a partition, in seq
+    order; the request id otherwise."""
+    return (result.stream_id if result.stream_id is not None else result.id).encode()

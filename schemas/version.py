@@ -19,3 +19,11 @@ def version_field() -> int:
     factory is a builtin collection, so this factory keeps `v` on the wire.
     """
     return msgspec.field(default_factory=_current_version)
+
+
+def always_written(default: object):
+    """A field that `omit_defaults` still writes when it holds `default` (see version_field's note).
+
+    For the keys a client may read on every record: a JSON reader must find `status`, never infer it.
+    """
+    return msgspec.field(default_factory=lambda: default)

@@ -6,6 +6,11 @@ its finished outputs until the contiguous prefix is done; then the outputs of
 that prefix and the offset after it are released as one unit, which the
 publisher writes in one Kafka transaction. A crash before the commit
 redelivers exactly the records whose outputs were not committed.
+
+NOTE: a release lists its outputs in the order they were completed, not by
+offset. An ASR chunk that arrived before its predecessor waits for it, so it
+completes after it even though its offset is lower; completion order is what
+keeps one stream's results in seq order on the results topic.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class PartitionTracker:
         # one past the last registered. Records below it are re-fetches and are skipped.
         self.next_offset = start_offset or 0
         self._pending: dict[int, list[OutRecord] | None] = {}  # offset -> outputs when done
+        self._completed_at: dict[int, int] = {}  # offset -> its place in completion order
+        self._completions = 0
         self._order: list[int] = []  # registered offsets, ascending
         self._head = 0  # index into _order of the first offset not yet released
         self.committed: int | None = None  # last commit_offset handed out
@@ -62,19 +69,22 @@ class PartitionTracker:
         if self._pending[offset] is not None:
             raise ValueError(f"{self.topic}[{self.partition}]: offset {offset} completed twice")
         self._pending[offset] = list(records)
+        self._completed_at[offset] = self._completions
+        self._completions += 1
 
     def release(self) -> Release | None:
         """Take the outputs of the longest done prefix; None when nothing new is done."""
-        records: list[OutRecord] = []
         offsets: list[int] = []
         i = self._head
         while i < len(self._order) and self._pending[self._order[i]] is not None:
-            off = self._order[i]
-            records.extend(self._pending.pop(off))
-            offsets.append(off)
+            offsets.append(self._order[i])
             i += 1
         if not offsets:
             return None
+        records: list[OutRecord] = []
+        for off in sorted(offsets, key=self._completed_at.__getitem__):
+            records.extend(self._pending.pop(off))
+            del self._completed_at[off]
         self._head = i
         if self._head > 1024:  # keep the list short without shifting on every release
             self._order = self._order[self._head:]
@@ -90,7 +100,8 @@ class PartitionTracker:
         self._head -= len(release.offsets)
         for off in release.offsets:
             self._pending[off] = []
-        # All the records go back on the first offset: they are published together anyway.
+            self._completed_at[off] = -1  # before anything completed since
+        # All the records go back on the first offset, in their order: they are published together anyway.
         self._pending[release.offsets[0]] = list(release.records)
 
     @property

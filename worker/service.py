@@ -39,6 +39,7 @@ from schemas import (
     encode,
     error_result,
     format_for_content_type,
+    result_key,
     sniff_format,
 )
 from worker.batcher import Batch, BatchItem, make_batcher
@@ -376,12 +377,13 @@ class Worker:
         try:
             prepared = await handler.prepare(request, self.ctx)
         except RequestError as exc:
-            self._complete_error(tp, offset, request.id, request.kind, exc.code, exc.message, fmt, consumed_at)
+            self._complete_error(tp, offset, request.id, request.kind, exc.code, exc.message, fmt, consumed_at,
+                                 request)
             return
         except Exception as exc:
             log.exception("handler prepare failed", request_id=request.id)
             self._complete_error(tp, offset, request.id, request.kind, ErrorCode.internal,
-                                 f"internal error while preparing: {type(exc).__name__}", fmt, consumed_at)
+                                 f"internal error while preparing: {type(exc).__name__}", fmt, consumed_at, request)
             return
         if tp not in self.trackers:
             return  # revoked while preparing
@@ -542,14 +544,16 @@ class Worker:
         tracker = self.trackers.get(tp)
         if tracker is None:
             return  # partition revoked: the new owner redoes it
-        record = OutRecord(self.topics.results, result.id.encode(), encode(result, fmt),
+        record = OutRecord(self.topics.results, result_key(result), encode(result, fmt),
                            (("content-type", CONTENT_TYPE[fmt]),))
         tracker.complete(offset, [record])
         self._results_ready.set()
 
     def _complete_error(self, tp, offset, request_id: str, kind, code, message: str, fmt: str,
-                        consumed_at: float) -> None:
-        result = error_result(request_id, kind, code, message)
+                        consumed_at: float, request=None) -> None:
+        # An asr chunk's error carries its stream, so it is keyed, and ordered, with the stream's other results.
+        result = error_result(request_id, kind, code, message, stream_id=getattr(request, "stream_id", None),
+                              seq=getattr(request, "seq", None))
         self._complete(tp, offset, None, result, fmt, consumed_at)
 
     def _fail_inflight(self, fl: InFlight, code, message: str) -> None:
@@ -560,7 +564,8 @@ class Worker:
             self.inflight.pop(engine_id, None)
         pending = [eid for eid, out in zip(fl.engine_ids, fl.outputs, strict=True) if out is None]
         self.engine_loop.abort(pending)
-        self._complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at)
+        self._complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at,
+                             fl.request)
 
     def _dead_letter(self, tp, record, reason: ErrorInfo) -> None:
         tracker = self.trackers.get(tp)

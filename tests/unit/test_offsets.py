@@ -22,8 +22,27 @@ def test_out_of_order_completion_waits_for_the_prefix():
     assert (r.commit_offset, [x.key for x in r.records], r.offsets) == (11, [b"10"], [10])
     t.complete(11, [rec(11)])
     r = t.release()
-    assert (r.commit_offset, [x.key for x in r.records]) == (13, [b"11", b"12"])
+    # Outputs in the order they were completed: 12 before 11.
+    assert (r.commit_offset, [x.key for x in r.records], r.offsets) == (13, [b"12", b"11"], [11, 12])
     assert t.in_flight == 0 and t.release() is None
+
+
+def test_a_chunk_that_waited_for_its_predecessor_is_published_after_it():
+    """An ASR chunk fetched before its predecessor (seq 1 at offset 5, seq 0 at 6) completes after it: the
+    release lists seq 0's result first, so the stream's results reach the topic in seq order."""
+    t = PartitionTracker("in", 0)
+    t.register(5)
+    t.register(6)
+    t.complete(6, [rec(0)])
+    assert t.release() is None
+    t.complete(5, [rec(1)])
+    r = t.release()
+    assert ([x.key for x in r.records], r.offsets, r.commit_offset) == ([b"0", b"1"], [5, 6], 7)
+    # A failed publish puts them back in the same order, ahead of anything completed since.
+    t.register(7)
+    t.complete(7, [rec(2)])
+    t.restore(r)
+    assert [x.key for x in t.release().records] == [b"0", b"1", b"2"]
 
 
 def test_restore_after_failed_publish_retries_the_same_records():
