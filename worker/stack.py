@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import hashlib
 import logging
 import os
 import secrets
@@ -353,7 +354,9 @@ def ensure_kafka_libs(cfg: StackConfig | None = None, *, progress: Progress | No
     say = progress or log.info
     version = kafka_version()
     libs = cfg.cache_dir / "kafka" / version / "libs"
-    if (libs / ".complete").exists():
+    # The marker names the pom it was fetched for: a jar added to the pom fetches the set again.
+    marker = f"{version} {hashlib.sha1((KAFKA_OPS_DIR / 'pom.xml').read_bytes()).hexdigest()}\n"
+    if _fetched(libs, marker):
         return libs
     mvn = shutil.which("mvn")
     if mvn is None:
@@ -376,8 +379,8 @@ def ensure_kafka_libs(cfg: StackConfig | None = None, *, progress: Progress | No
     if done.returncode != 0 or not any(partial.glob("kafka_2.13-*.jar")):
         shutil.rmtree(partial, ignore_errors=True)
         raise StackError(f"Maven failed to fetch Kafka {version}:\n{tail(done.stdout + done.stderr)}")
-    (partial / ".complete").write_text(version + "\n")
-    if (libs / ".complete").exists():  # someone else finished first; theirs may be in use
+    (partial / ".complete").write_text(marker)
+    if _fetched(libs, marker):  # someone else finished first; theirs may be in use
         shutil.rmtree(partial, ignore_errors=True)
         return libs
     shutil.rmtree(libs, ignore_errors=True)  # a leftover without the marker is never trusted
@@ -385,9 +388,16 @@ def ensure_kafka_libs(cfg: StackConfig | None = None, *, progress: Progress | No
         partial.rename(libs)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
-        if not (libs / ".complete").exists():
+        if not _fetched(libs, marker):
             raise
     return libs
+
+
+def _fetched(libs: Path, marker: str) -> bool:
+    try:
+        return (libs / ".complete").read_text() == marker
+    except OSError:
+        return False
 
 
 # -------------------------------------------------------------------- Kafka
