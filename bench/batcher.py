@@ -38,7 +38,7 @@ from worker.batcher import Batch, Batcher, BatchItem, DynamicBucketBatcher, Fifo
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-BENCHMARKS_MD = ROOT / "docs" / "BENCHMARKS.md"
+DOCS = ROOT / "docs" / "perf" / "service.md"
 SECTION_BEGIN = "<!-- bench/batcher.py: begin -->"
 SECTION_END = "<!-- bench/batcher.py: end -->"
 TEXT_SOURCE = Path("/usr/share/common-licenses/GPL-3")
@@ -307,15 +307,15 @@ def markdown_table(table: Table) -> str:
 def write_markdown(command: str, tables: list[Table], notes: list[str]) -> Path:
     body = "\n\n".join([SECTION_BEGIN, "## Micro-batcher: Dynamic Bucket vs FIFO", f"`{command}`",
                         *(markdown_table(t) for t in tables), "\n".join(f"- {n}" for n in notes), SECTION_END])
-    if BENCHMARKS_MD.exists():
-        doc = BENCHMARKS_MD.read_text()
+    if DOCS.exists():
+        doc = DOCS.read_text()
         if SECTION_BEGIN in doc and SECTION_END in doc:
             head, rest = doc.split(SECTION_BEGIN, 1)
             doc = head + body + rest.split(SECTION_END, 1)[1]
         else:
             doc = doc.rstrip("\n") + "\n\n" + body + "\n"
-        BENCHMARKS_MD.write_text(doc)
-        return BENCHMARKS_MD
+        DOCS.write_text(doc)
+        return DOCS
     path = RESULTS / "batcher.md"
     path.write_text(body + "\n")
     return path

@@ -15,7 +15,7 @@ KV cache; they alternate round after round, and each round's decode-only steps a
 timed by the engine itself (prefill excluded, as in bench.kv_decode). Medians of the rounds are compared.
 
 Then the whole workload of bench.throughput on each, alternating `--workload-rounds` times. Writes
-bench/results/compact_weights.json and its section of docs/BENCHMARKS.md.
+bench/results/compact_weights.json and its section of docs/perf/memory.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from bench.kv_decode import (
     whole_workload,
     workload_table,
 )
-from bench.report import markdown_table, print_table, publish_table, run_info, write_json
+from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from engine import LLM, SamplingParams
 from engine.models.cpu_kernels import cpu_kernels
 
@@ -89,7 +89,7 @@ def main() -> None:
         "bit-for-bit check included). The panels rebuild the same fp32 values, so the greedy tokens must be equal.",
         f"ms per decode step, context {args.context}", headers, rows,
         extra="\n\n".join(filter(None, [memory_table(data["memory"]), workload_table(
-            data.get("workload"), tuple(ARMS), "weights", "greedy tokens equal", EQUAL_KEY)])))
+            data.get("workload"), tuple(ARMS), "weights", "greedy tokens equal", EQUAL_KEY)])), docs=PERF / "memory.md")
 
 
 # Engine settings whose memory is measured, each in a fresh process.

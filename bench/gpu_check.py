@@ -162,8 +162,8 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
         want = paged_decode(q, kv, tables, lens, scale).float()
         kv_bytes = 2 * b * length * kvh * d * kv.element_size()
         rows = []
-        # Pages per iteration set the registers (bench.kernel_resources: 98 at 1 page, 254 at 4, 4 warps,
-        # 8B shape) and so the warps an SM can hold; num_stages did not change them, so it stays at 2.
+        # Pages per iteration set the registers and so the warps an SM can hold (docs/perf/gpu.md);
+        # num_stages did not change them, so it stays at 2.
         for pages, warps, stages, splits in itertools.product((1, 2, 4, 8), (2, 4, 8), (2,), (None, 2)):
             launch = functools.partial(paged_decode, q, kv, tables, lens, scale, splits=splits, pages=pages,
                                        num_warps=warps, num_stages=stages)
@@ -544,7 +544,7 @@ def fusion_lines(report: dict) -> list[str]:
 
 
 def write_docs(report: dict, sources: list[str]) -> None:
-    from bench.report import markdown_table, update_docs_section
+    from bench.report import PERF, markdown_table, update_docs_section
 
     rows = []
     for key in SPEED_SECTIONS:
@@ -601,7 +601,7 @@ def write_docs(report: dict, sources: list[str]) -> None:
                        f"context {(report.get('llama3_8b_shaped') or {}).get('context')} tokens, bf16",
                        ["model", "batch", "mode", "step ms", "tok/s", "device idle ms/step", "roofline ms", "share",
                         "prefill tok/s"], rows),
-    ]))
+    ]), docs=PERF / "gpu.md")
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -633,14 +633,14 @@ def main() -> None:
                     help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all)")
     ap.add_argument("--name", default="gpu_check", help="the JSON file's name, without .json (default: gpu_check)")
     ap.add_argument("--report", metavar="JSON", nargs="+",
-                    help="re-print saved runs (merged, when several) and write their docs/BENCHMARKS.md section")
+                    help="re-print saved runs (merged, when several) and write their docs/perf/gpu.md section")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.report:
         report = merge_reports([json.loads(Path(f).read_text()) for f in args.report])
         print_report(report)
         if report["device"] == "cpu":
-            print("a CPU dry run: docs/BENCHMARKS.md keeps its GPU section")
+            print("a CPU dry run: docs/perf/gpu.md keeps its GPU section")
         else:
             write_docs(report, args.report)
         return

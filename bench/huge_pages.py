@@ -20,7 +20,7 @@ compact memory to find them):
    greedy token must be equal; the last column counts the sequences that are.
 3. bench.throughput's workload on the fp32-panel engine with and without huge pages.
 
-Writes bench/results/huge_pages.json and its section of docs/BENCHMARKS.md. `--kv-only` asks what the KV
+Writes bench/results/huge_pages.json and its section of docs/perf/memory.md. `--kv-only` asks what the KV
 cache alone gains: the arms are `huge_pages` auto (the default: the decode-streamed weights in huge pages,
 the KV cache in 4 KiB pages) and true (the KV cache too), on the fp32-panel engine only; it writes
 bench/results/huge_pages_kv.json and a section of its own.
@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench.kv_decode import measure_batches, parse_args, passages, whole_workload, workload_table
-from bench.report import markdown_table, print_table, publish_table, run_info, write_json
+from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM, hugepages
 from engine.models.cpu_kernels import cpu_kernels
@@ -140,7 +140,7 @@ def main() -> None:
                                                        f"{blocks} blocks of {block_size} rows)", start_headers,
                                                        start_rows),
                                         workload_table(data.get("workload"), tuple(arms), "engine",
-                                                       "greedy tokens equal", EQUAL_KEY)])))
+                                                       "greedy tokens equal", EQUAL_KEY)])), docs=PERF / "memory.md")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import console, invocation, markdown_table, print_table, update_docs_section, write_json
+from bench.report import (
+    PERF,
+    console,
+    invocation,
+    markdown_table,
+    print_table,
+    update_docs_section,
+    write_json,
+)
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 << 30}
@@ -179,7 +187,7 @@ def main() -> None:
             "`infinilm worker` (exactly-once delivery: one transaction per partition per flush), a producer sending "
             "all requests at once as msgpack, and a read_committed consumer; its clock runs from the first send to "
             "the last committed result read. Target: Kafka ≥ 90% of offline throughput.",
-        ]))
+        ]), docs=PERF / "service.md")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,15 @@ import uuid
 
 import numpy as np
 
-from bench.report import console, invocation, markdown_table, print_table, update_docs_section, write_json
+from bench.report import (
+    PERF,
+    console,
+    invocation,
+    markdown_table,
+    print_table,
+    update_docs_section,
+    write_json,
+)
 
 # name -> (kafka.producer_retry_backoff_ms, kafka.eager_flush); the first is how the worker ran before
 # either setting existed, the last is its defaults.
@@ -133,7 +141,7 @@ def main() -> None:
             "backoff before it retries. An eager flush commits a result as soon as it is finished when the "
             "worker has not flushed results for an interval, as here, where requests come one at a time. Under "
             "load, flushes of finished results still start at most once per interval, as on the tick.",
-        ]))
+        ]), docs=PERF / "service.md")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ greedy sequences equal the fp32 engine's, token for token.
 Then the whole workload of bench.throughput (64 requests, prompts of 32-512 tokens, 32-256 output
 tokens) on each cache, alternating `--workload-rounds` times, with the wall time split into steps
 that prefill and decode-only steps at and below batch 32. Writes bench/results/kv_decode.json and
-its section of docs/BENCHMARKS.md.
+its section of docs/perf/memory.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench import roofline
-from bench.report import markdown_table, print_table, publish_table, run_info, write_json
+from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import Settings, build_workload, greedy, progress_bar, run_engine
 from engine import LLM
 from engine.kv_cache import bytes_per_block
@@ -165,7 +165,7 @@ def main() -> None:
         "median of each round's decode-only steps at the full batch, then the median over rounds. KV bytes per "
         f"token: {row_bytes['fp32 KV']} fp32, {row_bytes['int8 KV']} int8 (values plus one fp16 scale per row "
         "and KV head). Perplexity of the int8 cache is in the quantization table above.",
-        f"ms per decode step, context {args.context}", headers, rows, extra=workload_table(data.get("workload")))
+        f"ms per decode step, context {args.context}", headers, rows, extra=workload_table(data.get("workload")), docs=PERF / "memory.md")
 
 
 def whole_workload(rounds: int, arms: dict[str, dict] | None = None, equal_key: str = "int8_requests_equal_fp32") -> dict:

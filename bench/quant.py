@@ -5,7 +5,7 @@ kernels; embedding offload.
 
 Run from the repository root on a quiet machine:
 
-    .venv/bin/python -m bench.quant            # JSON, docs/BENCHMARKS.md section, docs/quant_ppl_vs_bytes.png
+    .venv/bin/python -m bench.quant            # JSON, docs/perf/memory.md section, docs/perf/quant_ppl_vs_bytes.png
     .venv/bin/python -m bench.quant --quick    # a smoke run: fewer tokens, JSON only
 """
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 from bench.report import (
+    PERF,
     REPO,
     RESULTS,
     console,
@@ -50,7 +51,7 @@ from tests.reference.test_quant_reference import COPY_PROMPTS as TEST_COPY_PROMP
 from tests.reference.test_quant_reference import NUMBER
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-PLOT = REPO / "docs" / "quant_ppl_vs_bytes.png"
+PLOT = PERF / "quant_ppl_vs_bytes.png"
 KV_BUDGET = 1 << 30  # bytes of KV pool for the concurrency column
 SEQ_TOKENS = 1024  # tokens each concurrent sequence holds
 # No packed weight copies (the engine's defaults until 2026-12-05): the tables compare weight and cache formats,
@@ -516,7 +517,7 @@ def main() -> None:
             r["max_seqs"], r["kv_bytes_per_token"] = concurrency(mc, dtype, 8 if "KV" in r["setting"] else 16)
         write_json("quant.json", data)
         plot(data["settings"])
-        update_docs_section("quant", build_docs(data))
+        update_docs_section("quant", build_docs(data), docs=PERF / "memory.md")
         return
     tok = Tokenizer(folder, mc.eos_token_ids)
     n_tokens = 512 if args.quick else args.tokens
@@ -541,7 +542,7 @@ def main() -> None:
                   f"{r['decode_tok_s']:.1f}", r["max_seqs"]) for r in data["settings"]])
     if not args.quick:
         plot(data["settings"])
-        update_docs_section("quant", build_docs(data))
+        update_docs_section("quant", build_docs(data), docs=PERF / "memory.md")
 
 
 if __name__ == "__main__":

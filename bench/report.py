@@ -14,11 +14,12 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-DOCS = REPO / "docs" / "BENCHMARKS.md"
+# Generated sections live in per-topic files here; docs/BENCHMARKS.md holds only the headline numbers.
+PERF = REPO / "docs" / "perf"
 console = Console()
 
-_DOCS_INTRO = ("# Benchmarks\n\nResults of the scripts in `bench/`, each between its own markers and rewritten by "
-               "its script; edit the scripts, not these sections. Raw numbers are in `bench/results/`.\n")
+_DOCS_INTRO = ("Generated sections: each sits between its own markers and is rewritten by its script; edit the scripts, "
+               "not these sections. Raw numbers are in `bench/results/`.\n")
 
 
 def invocation(module: str) -> str:
@@ -50,13 +51,14 @@ def markdown_table(title: str, headers: list[str], rows: list[tuple]) -> str:
 
 
 def write_json(name: str, data: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write `data` to bench/results/`name`; `name` may hold a subfolder ("kernels/panel_gemm.json")."""
     path = RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
 
 
-def update_docs_section(key: str, body: str, docs: Path = DOCS) -> None:
+def update_docs_section(key: str, body: str, docs: Path) -> None:
     """Replace (or append) the section between `<!-- key:start -->` and `<!-- key:end -->` of `docs`."""
     start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
     block = f"{start}\n{body.strip()}\n{end}"
@@ -70,8 +72,8 @@ def update_docs_section(key: str, body: str, docs: Path = DOCS) -> None:
 
 
 def publish_table(key: str, heading: str, data: dict, how: str, title: str, headers: list[str],
-                  rows: list[tuple], extra: str = "") -> None:
-    """Print a one-table result and write it as the `key` section of docs/BENCHMARKS.md.
+                  rows: list[tuple], extra: str = "", *, docs: Path) -> None:
+    """Print a one-table result and write it as the `key` section of `docs` (a file under docs/perf/).
 
     `data` holds the run's "date", "load", "threads" and "command"; `how` says what was measured;
     `extra`, already printed by the caller, is markdown appended to the section.
@@ -83,4 +85,4 @@ def publish_table(key: str, heading: str, data: dict, how: str, title: str, head
         f"`{data['command']}`: {how}",
         markdown_table(title, headers, rows),
         *([extra] if extra else []),
-    ]))
+    ]), docs)

@@ -13,7 +13,7 @@ after each round a read probe (roofline.ReadProbe, the better of 4 KiB and huge 
 own floor: the weight bytes a step reads over the read rate. This VM's read rate moves by up to 2x within
 seconds, so a round's share of its floor is the figure to trust, not a comparison across rounds.
 
-Writes bench/results/single_stream.json and its section of docs/BENCHMARKS.md.
+Writes bench/results/single_stream.json and its section of docs/perf/cpu-engine.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench import roofline
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, decode_weight_bytes, progress_bar
 from engine import LLM, SamplingParams
 from engine.models.cpu_kernels import cpu_kernels
@@ -144,7 +144,7 @@ def main() -> None:
         f"{weight_bytes / 2**20:.0f} MiB of weights over the better read rate of the probes right before and "
         "right after it. Medians over rounds, each column on its own.",
         "Median over rounds", headers, rows,
-        "Each round (read rate, step, share of its own floor):\n\n" + by_round)
+        "Each round (read rate, step, share of its own floor):\n\n" + by_round, docs=PERF / "cpu-engine.md")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Run from the repository root on a quiet machine:
 
-    .venv/bin/python -m bench.throughput            # full run: JSON + docs/BENCHMARKS.md
+    .venv/bin/python -m bench.throughput            # full run: JSON + docs/perf/cpu-engine.md
     .venv/bin/python -m bench.throughput --quick    # smoke run: bench/results/throughput-quick.json only
     .venv/bin/python -m bench.throughput --profile  # the engine's part under torch.profiler
 
@@ -46,7 +46,7 @@ except ImportError:  # run as `python bench/throughput.py`: bench/ itself is on 
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-DOCS = REPO / "docs" / "BENCHMARKS.md"
+DOCS = REPO / "docs" / "perf" / "cpu-engine.md"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 START, END = "<!-- throughput:start -->", "<!-- throughput:end -->"
 # A log file gets wide tables; a terminal keeps its own width.
@@ -695,8 +695,8 @@ def write_docs(r: dict, tables) -> None:
         END,
     ])
     text = DOCS.read_text() if DOCS.exists() else (
-        "# Benchmarks\n\nResults of the scripts in `bench/`, each between its own markers and rewritten by its "
-        "script; edit the scripts, not these sections. Raw numbers are in `bench/results/`.\n")
+        "# CPU engine\n\nGenerated sections: each sits between its own markers and is rewritten by its script; edit "
+        "the scripts, not these sections. Raw numbers are in `bench/results/`.\n")
     if START in text and END in text:
         text = text[:text.index(START)] + body + text[text.index(END) + len(END):]
     else:
@@ -757,7 +757,7 @@ def main() -> None:
     command = invocation()
     console.print(f"[bold]$ {command}[/bold]")
     torch.set_num_threads(args.threads)
-    # Partial or non-default runs keep their own JSON and leave docs/BENCHMARKS.md alone.
+    # Partial or non-default runs keep their own JSON and leave docs/perf/cpu-engine.md alone.
     suffix = "-quick" if args.quick else ""
     suffix += "-no-prepack" if args.no_prepack else ""
     suffix += "-engine-only" if args.skip_hf else ""

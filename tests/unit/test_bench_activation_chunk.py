@@ -1,4 +1,4 @@
-"""bench.activation_chunk: a round is the engine's prefill steps, whatever workspace the model holds."""
+"""bench.kernels.activation_chunk: a round is the engine's prefill steps, whatever workspace the model holds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from engine.models.llama import ActivationWorkspace
 
 
 def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny_llama):
-    from bench import activation_chunk
+    from bench.kernels import activation_chunk
 
     llm = LLM(model=str(tiny_llama), dtype="float32", max_num_batched_tokens=64, enable_prefix_caching=True)
     model, cfg = llm.engine.model, llm.engine.model.config
@@ -34,7 +34,7 @@ def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny
 
 
 def test_the_workload_rounds_alternate_the_arms_and_compare_their_tokens(tiny_llama):
-    from bench import activation_chunk
+    from bench.kernels import activation_chunk
     from bench.throughput import Workload
 
     llm = LLM(model=str(tiny_llama), dtype="float32", max_num_batched_tokens=64)

@@ -1,4 +1,4 @@
-"""bench.compact_linears' passes: both arms on the same packed weights, and a clear stop where outputs differ."""
+"""bench.kernels.compact_linears' passes: both arms on the same packed weights, and a clear stop where outputs differ."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kerne
 
 
 def test_compare_times_both_arms_and_stops_where_their_outputs_differ():
-    from bench import compact_linears
+    from bench.kernels import compact_linears
 
     ops = cpu_kernels()
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""bench.decode_breakdown: the replayed step is the engine's own, the arms alternate, the table's arithmetic."""
+"""bench.kernels.decode_breakdown: the replayed step is the engine's own, the arms alternate, the table's arithmetic."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.conftest import write_tiny_model
 
 
 def test_measure_turns_the_order_each_round_and_records_each_rounds_rates():
-    from bench import decode_breakdown
+    from bench.kernels import decode_breakdown
 
     log: list[str] = []
     calls = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
@@ -24,7 +24,7 @@ def test_measure_turns_the_order_each_round_and_records_each_rounds_rates():
 
 
 def test_row_turns_medians_into_rates_and_floors():
-    from bench import decode_breakdown
+    from bench.kernels import decode_breakdown
 
     batch = {"rows": 4, "context_tokens": 1000, "step": [0.010, 0.012, 0.011], "linears": [0.006] * 3,
              "linears_cached": [0.004] * 3, "attention": [0.002] * 3, "lm_head": [0.001] * 3,
@@ -37,7 +37,7 @@ def test_row_turns_medians_into_rates_and_floors():
 
 @pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel (AVX-512)")
 def test_the_captured_call_replays_the_engines_decode_step_bitwise(tmp_path):
-    from bench import decode_breakdown
+    from bench.kernels import decode_breakdown
 
     path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
     llm = LLM(model=str(path), dtype="float32", block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
@@ -55,7 +55,7 @@ def test_the_captured_call_replays_the_engines_decode_step_bitwise(tmp_path):
 
 @pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel (AVX-512)")
 def test_capture_stops_clearly_where_no_decode_step_runs_in_one_call(tmp_path):
-    from bench import decode_breakdown
+    from bench.kernels import decode_breakdown
 
     path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
     llm = LLM(model=str(path), dtype="float32", block_size=8, num_kv_blocks=256, cpu_prepack_weights=False)

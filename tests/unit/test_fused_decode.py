@@ -224,10 +224,10 @@ def test_single_stream_bench_splits_each_decode_step_into_its_parts(tiny_llama):
 
 
 def test_decode_split_bench_round_times_the_full_batch_steps(tiny_llama, monkeypatch):
-    """bench.decode_split's round: enough tokens that every request decodes together for the asked steps after
+    """bench.kernels.decode_split's round: enough tokens that every request decodes together for the asked steps after
     the chunked prefill, the tokens of each request returned in order, and a clear stop where no step ran the
     whole batch."""
-    from bench import decode_split
+    from bench.kernels import decode_split
 
     monkeypatch.setattr(decode_split, "PROMPT_TOKENS", 20)
     monkeypatch.setattr(decode_split, "MAX_BATCHED_TOKENS", 64)  # engine_llm's token budget

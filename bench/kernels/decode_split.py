@@ -1,7 +1,7 @@
 """Decode steps with one group of rows per thread against every kernel sharing all rows over the threads.
 
-    .venv/bin/python -m bench.decode_split
-    .venv/bin/python -m bench.decode_split --batches 16 48 --rounds 8
+    .venv/bin/python -m bench.kernels.decode_split
+    .venv/bin/python -m bench.kernels.decode_split --batches 16 48 --rounds 8
 
 The one-call decoder (engine/models/csrc/decode_layers.cpp) runs a decode-only step in one of two ways. Joint:
 each kernel of each layer shares the step's rows out over the threads, which meet at the end of every kernel.
@@ -17,7 +17,7 @@ in one process (the model's `decode_split_rows`); a round's figure is the median
 engine's own step time, LM head and sampling included), and the verdict is the median of the rounds' ratios, each
 against the other way's round next to it. A read probe after each pair of rounds gives the memory rate of that
 moment: the AMD dev VM's read rate moved between about 35 and 70 GB/s within seconds (the Intel one's stays near
-30). The two ways' greedy tokens must be equal. Writes bench/results/decode_split.json and its section of docs/BENCHMARKS.md.
+30). The two ways' greedy tokens must be equal. Writes bench/results/kernels/decode_split.json and its section of docs/perf/kernels.md.
 
 `--compact` runs the engine with exact compact panels instead (cpu_compact_weights, what the defaults pack for
 SmolLM2: the kernel rebuilds each panel's fp32 values from 4-bit and 8-bit codes, so split, every thread rebuilds
@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench import roofline
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, greedy, progress_bar
 from engine import LLM
 from engine.model_registry import resolve_model
@@ -98,7 +98,7 @@ def main() -> None:
         raise SystemExit("this model does not take the one-call decoder here; nothing to compare")
     ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     probe = roofline.ReadProbe()
-    data = {**run_info("bench.decode_split", args.threads), "model": "smollm2", "tokens": args.tokens,
+    data = {**run_info("bench.kernels.decode_split", args.threads), "model": "smollm2", "tokens": args.tokens,
             "prompt_tokens": PROMPT_TOKENS,
             "weights": "compact panels" if args.compact else "fp32 panels", "batches": []}
     model = llm.engine.model
@@ -126,7 +126,7 @@ def main() -> None:
     finally:
         model.decode_split_rows = before
     name = "decode_split_compact" if args.compact else "decode_split"
-    write_json(f"{name}.json", data)
+    write_json(f"kernels/{name}.json", data)
 
     headers = ["batch", "joint step ms", "split step ms", "split ÷ joint speed", "per round", "read GB/s",
                "the engine's choice"]
@@ -153,7 +153,7 @@ def main() -> None:
            f"split from {choice.rows} rows a thread, measured at this engine's start (fp32 GEMM "
            f"{choice.gemm_gflops:.0f} GFLOP/s, the packed weights read at {choice.stream_gbps:.1f} GB/s with every "
            f"thread reading all of them, {choice.bytes_per_weight:.3f} bytes a weight; engine/models/decode_split.py)."),
-        "Full-batch decode steps, medians of alternating rounds", headers, rows)
+        "Full-batch decode steps, medians of alternating rounds", headers, rows, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The panel GEMM kernel against the other fp32 CPU linear paths, on a whole model's weights.
 
-    .venv/bin/python -m bench.panel_gemm
-    .venv/bin/python -m bench.panel_gemm --rows 1 32 64 --rounds 5
-    .venv/bin/python -m bench.panel_gemm --base 9ccb5af   # also the kernel as it was at that commit
-    .venv/bin/python -m bench.panel_gemm --huge-pages     # packed copies in huge pages, as the engine keeps them
+    .venv/bin/python -m bench.kernels.panel_gemm
+    .venv/bin/python -m bench.kernels.panel_gemm --rows 1 32 64 --rounds 5
+    .venv/bin/python -m bench.kernels.panel_gemm --base 9ccb5af   # also the kernel as it was at that commit
+    .venv/bin/python -m bench.kernels.panel_gemm --huge-pages     # packed copies in huge pages, as the engine keeps them
 
 One pass = every linear of SmolLM2-135M for one step of `rows` tokens: 30 layers' qkv, o_proj,
 gate_up and down weights (random, distinct per layer, so that as in the model they stream from
@@ -16,8 +16,8 @@ panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPU
 dispatch): this tree's panel kernel, and the one built from engine/models/csrc/panel_gemm.cpp at
 git revision REV (reading the same packed copy, where the two revisions pack alike), whose outputs must
 equal this tree's bitwise. Rounds alternate the arms' order. Medians over
-the rounds are compared. Writes bench/results/panel_gemm.json and its section of
-docs/BENCHMARKS.md.
+the rounds are compared. Writes bench/results/kernels/panel_gemm.json and its section of
+docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import hugepages
 
@@ -103,7 +103,7 @@ def main() -> None:
     arms = {"plain": "plain weights, no copy", "onednn": "oneDNN, packed", "panel": "panel kernel, packed"}
     base = None
     if args.base:
-        from bench.git_kernel import build_at_revision
+        from bench.kernels.git_kernel import build_at_revision
 
         base = build_at_revision(args.base, [KERNEL], ["pack_panels", "panel_linear"])
         arms["direct"] = "panel kernel, direct call"
@@ -135,9 +135,9 @@ def main() -> None:
                         seconds[rows][arm].append(one_pass(weights, xs, arm, base))
                     advance()
     medians = {r: {a: statistics.median(v) for a, v in by_arm.items()} for r, by_arm in seconds.items()}
-    data = {**run_info("bench.panel_gemm", args.threads), "settings": vars(args), "seconds": seconds,
+    data = {**run_info("bench.kernels.panel_gemm", args.threads), "settings": vars(args), "seconds": seconds,
             "medians": medians, "flops_per_row": flops_per_row}
-    write_json("panel_gemm.json", data)
+    write_json("kernels/panel_gemm.json", data)
 
     headers = ["rows", *(f"{name} ms" for name in arms.values()), "panel GFLOP/s", "panel ÷ plain",
                "panel ÷ oneDNN packed", *([f"direct ÷ at {args.base}"] if base is not None else [])]
@@ -155,7 +155,7 @@ def main() -> None:
         f"alternate {args.rounds} times per row count in one process and the medians are compared. Lower ms is "
         "faster; the ratios are speed-ups of the panel kernel"
         + (f" (the last: this tree's kernel over the one at {args.base}, both called directly, outputs bitwise "
-           "equal)." if base is not None else "."), title, headers, table)
+           "equal)." if base is not None else "."), title, headers, table, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

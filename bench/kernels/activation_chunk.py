@@ -1,8 +1,8 @@
 """Prefill steps with the MLP run in chunks of different sizes through the activation workspace.
 
-    .venv/bin/python -m bench.activation_chunk
-    .venv/bin/python -m bench.activation_chunk --rows 512 1024 2048 --rounds 12
-    .venv/bin/python -m bench.activation_chunk --rows 512 2048 --rounds 6 --workload-rounds 3
+    .venv/bin/python -m bench.kernels.activation_chunk
+    .venv/bin/python -m bench.kernels.activation_chunk --rows 512 1024 2048 --rounds 12
+    .venv/bin/python -m bench.kernels.activation_chunk --rows 512 2048 --rounds 6 --workload-rounds 3
 
 A prefill longer than `activation_chunk_rows` runs each layer's MLP (gate_up, SwiGLU, down) in chunks of that
 many tokens through one preallocated workspace, adding each chunk into the residual stream in place
@@ -19,7 +19,7 @@ speed against the first arm's round beside it. The prefix cache is reset before 
 MLP activation an arm holds is min(rows, the longest step) x (2 x intermediate + hidden) values: the workspace,
 or one pass's two outputs. `--workload-rounds N` then also runs bench.throughput's whole workload (64 requests, the
 same engine and arms, alternating N rounds): its wall time and its prefill steps' time, each arm's greedy tokens
-against the first arm's. Writes bench/results/activation_chunk.json and its section of docs/BENCHMARKS.md.
+against the first arm's. Writes bench/results/kernels/activation_chunk.json and its section of docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench import roofline
-from bench.report import markdown_table, print_table, publish_table, run_info, write_json
+from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import TEXT, Settings, build_workload, greedy, progress_bar, run_engine
 from engine import LLM
 from engine.model_registry import resolve_model
@@ -112,7 +112,7 @@ def main() -> None:
                   if r else None for r in args.rows}
     ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     rng = random.Random(0)
-    data = {**run_info("bench.activation_chunk", args.threads), "model": "smollm2", "budget": args.budget,
+    data = {**run_info("bench.kernels.activation_chunk", args.threads), "model": "smollm2", "budget": args.budget,
             "prompts": args.prompts, "rows": args.rows, "rounds": []}
     before = model.layers[0].mlp.workspace
     try:
@@ -138,7 +138,7 @@ def main() -> None:
                                             args.workload_rounds)
     finally:
         model.use_workspace(before)
-    write_json("activation_chunk.json", data)
+    write_json("kernels/activation_chunk.json", data)
 
     rs = data["rounds"]
     longest = max(r["longest_step"] for r in rs)
@@ -176,7 +176,7 @@ def main() -> None:
         "round's figure is the sum of its steps' times; the speed-up is the median of the rounds' ratios, each "
         "against the first arm's round beside it. The largest MLP activation is min(rows, the longest step) x "
         "(2 x intermediate + hidden) fp32 values. Same first tokens: against the first arm's.",
-        "Prefill rounds, medians of alternating rounds", headers, rows, extra)
+        "Prefill rounds, medians of alternating rounds", headers, rows, extra, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where a CPU decode step's time goes: the one-call decoder against its parts, each timed alone.
 
-    .venv/bin/python -m bench.decode_breakdown
-    .venv/bin/python -m bench.decode_breakdown --batches 16 28 48 64 --context 300 --rounds 9
+    .venv/bin/python -m bench.kernels.decode_breakdown
+    .venv/bin/python -m bench.kernels.decode_breakdown --batches 16 28 48 64 --context 300 --rounds 9
 
 One engine with bench.throughput's headline options (SmolLM2-135M-Instruct, fp32, packed fp32 panels, the default
 huge pages). For each batch size B: B requests of `--context` prompt tokens, cut from bench.throughput's text, run
@@ -19,8 +19,8 @@ kept with its exact arguments. Then these arms alternate, `--rounds` times, in o
 
 The table gives each arm's median and its rate, the linears' two floors (FLOPs at the GEMM rate, weight bytes at
 the read rate: with the weight stream hidden behind the arithmetic the linears take the larger, taking turns the
-sum) and what the step spends outside the linears and attention. Writes bench/results/decode_breakdown.json and
-its section of docs/BENCHMARKS.md.
+sum) and what the step spends outside the linears and attention. Writes bench/results/kernels/decode_breakdown.json and
+its section of docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench import roofline
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, greedy, progress_bar
 from engine import LLM
 from engine.model_registry import resolve_model
@@ -189,7 +189,7 @@ def main() -> None:
     weight_bytes = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     kv_row_bytes = roofline.kv_bytes_per_token(mc)
     probe = roofline.ReadProbe()
-    data = {**run_info("bench.decode_breakdown", args.threads), "context": args.context,
+    data = {**run_info("bench.kernels.decode_breakdown", args.threads), "context": args.context,
             "split_rows": model.decode_split_rows, "layer_flops_per_row": layer_flops, "weight_bytes": weight_bytes,
             "kv_row_bytes": kv_row_bytes, "batches": []}
     stride = (len(text) - args.context) // max(args.batches)
@@ -201,7 +201,7 @@ def main() -> None:
             result = measure(arms(model, kept, b), args.rounds,
                              lambda: roofline.measure_gemm(2048, 2048, 2048, 2), lambda: probe(2), advance)
             data["batches"].append({"rows": b, "context_tokens": int(kept[6].sum()), **result})
-    write_json("decode_breakdown.json", data)
+    write_json("kernels/decode_breakdown.json", data)
 
     headers = ["rows", "context tokens", "step ms", "linears ms (GFLOP/s)", "linears, one layer's weights ms (GFLOP/s)",
                "linears' floors: FLOPs / weight bytes ms", "attention ms (KV GB/s)", "rest of the step ms",
@@ -216,7 +216,7 @@ def main() -> None:
         "their floors are the FLOPs at the round's GEMM rate and the weight bytes at its read rate. Rest of the "
         "step: the step less the linears and the attention (norms, RoPE, K/V writes, activations, and whatever the "
         "two parts lose or gain by running together).",
-        "A decode step against its parts", headers, table)
+        "A decode step against its parts", headers, table, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

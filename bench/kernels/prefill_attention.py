@@ -1,8 +1,8 @@
 """Causal prefill attention on the CPU: the C++ kernel against the torch path it replaced, SmolLM2-135M's shape.
 
-    .venv/bin/python -m bench.prefill_attention
-    .venv/bin/python -m bench.prefill_attention --chunks 512:0 256:768 --rounds 9
-    .venv/bin/python -m bench.prefill_attention --base 1cb5633   # also the kernel as it was at that commit
+    .venv/bin/python -m bench.kernels.prefill_attention
+    .venv/bin/python -m bench.kernels.prefill_attention --chunks 512:0 256:768 --rounds 9
+    .venv/bin/python -m bench.kernels.prefill_attention --base 1cb5633   # also the kernel as it was at that commit
 
 One layer's attention for one chunk of one sequence, with the model's heads (9 query heads sharing
 3 KV heads of 64): the chunk's K/V are already in a paged fp32 cache with scattered blocks, as in
@@ -13,7 +13,7 @@ two alternate, call after call, and the medians are compared; their outputs must
 GFLOP/s count 4 x heads x head_dim per visible (query, key) pair, causal half included. With
 `--base REV`, a third arm: the kernel built from its source at git revision REV, called directly, whose
 outputs must equal this tree's bitwise (a timing of different arithmetic would mean nothing). Writes
-bench/results/prefill_attention.json and its section of docs/BENCHMARKS.md.
+bench/results/kernels/prefill_attention.json and its section of docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.attention.metadata import PrefillSpan
@@ -51,7 +51,7 @@ class BaseKernel:
     """The prefill kernel at an earlier revision, behind the backend's `_prefill` signature."""
 
     def __init__(self, rev: str, scale: float) -> None:
-        from bench.git_kernel import build_at_revision
+        from bench.kernels.git_kernel import build_at_revision
 
         self.ops, self.scale = build_at_revision(rev, KERNEL_SOURCES, ["paged_prefill_attention"]), scale
 
@@ -88,7 +88,7 @@ def main() -> None:
     paths = {"torch": TorchAttentionBackend(h, kvh, d), "kernel": CpuPagedAttentionBackend(h, kvh, d)}
     if args.base:
         paths["base"] = BaseKernel(args.base, paths["kernel"].scale)
-    data = {**run_info("bench.prefill_attention", args.threads), "base": args.base,
+    data = {**run_info("bench.kernels.prefill_attention", args.threads), "base": args.base,
             "shape": {"heads": h, "kv_heads": kvh, "head_dim": d, "block_size": bs}, "chunks": []}
     g = torch.Generator().manual_seed(0)
     with progress_bar("prefill attention", len(args.chunks) * args.rounds) as advance, torch.inference_mode():
@@ -118,7 +118,7 @@ def main() -> None:
             med = {name: statistics.median(t) for name, t in times.items()}
             data["chunks"].append({"tokens": tokens, "cached": cached, "median_s": med, "round_s": times,
                                    "max_abs_diff": diff, "gflop": 4 * h * d * pairs / 1e9})
-    write_json("prefill_attention.json", data)
+    write_json("kernels/prefill_attention.json", data)
     base = [f"kernel at {args.base} ms", f"kernel ÷ at {args.base} speed"] if args.base else []
     headers = ["chunk tokens", "cached rows before it", "torch ms", "kernel ms", "kernel ÷ torch speed",
                "torch GFLOP/s", "kernel GFLOP/s", "max abs difference", *base]
@@ -137,7 +137,7 @@ def main() -> None:
         "count 4 x heads x head_dim per visible (query, key) pair"
         + (f"; a third arm, the kernel at {args.base} called directly, outputs bitwise equal to this tree's."
            if args.base else "."),
-        "one chunk's attention in one layer", headers, rows_out)
+        "one chunk's attention in one layer", headers, rows_out, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Every linear of one decode step of SmolLM2-135M on its compact panels: this tree's panel kernel against an
 earlier commit's.
 
-    .venv/bin/python -m bench.compact_linears
-    .venv/bin/python -m bench.compact_linears --base b787c43 --rows 1 2 4 --rounds 40
+    .venv/bin/python -m bench.kernels.compact_linears
+    .venv/bin/python -m bench.kernels.compact_linears --base b787c43 --rows 1 2 4 --rounds 40
 
 SmolLM2's fp32 weights are exactly 4-bit and 8-bit codes times fp16 scales, so the engine's defaults keep them as
 compact panels (cpu_prepack_weights: auto), which calls of 1-12 rows read straight from the codes (panel_gemm.cpp's
@@ -12,7 +12,7 @@ kernel directly: this tree's panel_linear and the one built from engine/models/c
 BASE, reading the same packed weights. They alternate, the order swapped every round; their outputs must be
 bitwise equal; the verdict is the median of the rounds' ratios, each against the other arm's pass beside it.
 The default base is the commit before the fused runs' width was chosen for an even share over the threads. Writes
-bench/results/compact_linears.json and its section of docs/BENCHMARKS.md.
+bench/results/kernels/compact_linears.json and its section of docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench.git_kernel import build_at_revision
-from bench.report import publish_table, run_info, write_json
+from bench.kernels.git_kernel import build_at_revision
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM
 from engine.model_registry import resolve_model
@@ -86,12 +86,12 @@ def main() -> None:
     if not all(p is not None and p.dtype == torch.uint8 for p, _, _ in linears):
         raise SystemExit("the model's packed weights are not all compact panels here; nothing to compare")
     base = build_at_revision(args.base, [KERNEL], ["panel_linear"])
-    data = {**run_info("bench.compact_linears", args.threads), "base": args.base,
+    data = {**run_info("bench.kernels.compact_linears", args.threads), "base": args.base,
             "weight_bytes": sum(p.numel() for p, _, _ in linears), "passes": []}
     with progress_bar("compact linears, this tree and base", len(args.rows) * args.rounds) as advance:
         for rows in args.rows:
             data["passes"].append(compare(cpu_kernels(), base, linears, rows, args.rounds, advance))
-    write_json("compact_linears.json", data)
+    write_json("kernels/compact_linears.json", data)
 
     headers = ["rows", "base ms", "this tree ms", "this tree ÷ base speed", "rounds' ratios, min-max"]
     table = []
@@ -105,7 +105,7 @@ def main() -> None:
         f"{data['weight_bytes'] / 2**20:.0f} MiB of compact panels) at each row count, this tree's panel kernel "
         f"against the one at {args.base}, alternating {args.rounds} rounds; medians of the passes, and the median of "
         "the rounds' ratios. Outputs bitwise equal in every round.",
-        "One decode step's linears on compact panels", headers, table)
+        "One decode step's linears on compact panels", headers, table, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

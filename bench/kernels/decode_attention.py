@@ -1,7 +1,7 @@
 """Decode attention on the CPU: this tree's kernel against the same kernel at an earlier commit.
 
-    .venv/bin/python -m bench.decode_attention
-    .venv/bin/python -m bench.decode_attention --base 71f4fbc --batches 16 48 --draws 3 --rounds 9
+    .venv/bin/python -m bench.kernels.decode_attention
+    .venv/bin/python -m bench.kernels.decode_attention --base 71f4fbc --batches 16 48 --draws 3 --rounds 9
 
 One decode step's attention over all 30 layers of SmolLM2-135M (9 query heads sharing 3 KV heads
 of 64), each layer with its own paged fp32 cache in scattered 16-row blocks, so that as in the
@@ -13,7 +13,7 @@ before decode attention shared its sequences out longest first (it split the bat
 halves, one per thread). The two alternate, step after step, their outputs must be bitwise equal,
 and the medians are compared. "Static split imbalance" is the larger half's share of the KV over
 half of it: how much more one thread had to read under the base's split. Writes
-bench/results/decode_attention.json and its section of docs/BENCHMARKS.md.
+bench/results/kernels/decode_attention.json and its section of docs/perf/kernels.md.
 
 `--cache int8` times the int8 KV cache's kernel (cache_bits: 8; paged_attention_int8_cpu.cpp with the
 fp32 file it builds on) on the same caches quantized per row as the engine stores them (int8 codes,
@@ -32,8 +32,8 @@ import time
 import torch
 
 from bench import roofline
-from bench.git_kernel import build_at_revision
-from bench.report import publish_table, run_info, write_json
+from bench.kernels.git_kernel import build_at_revision
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine.attention.cpu_paged import load_kernels
 from engine.attention.kv_int8 import quantize_rows
@@ -104,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     int8 = args.cache == "int8"
     kernels = {"base": build_base(args.base, args.cache), "this tree": load_kernels()}
-    data = {**run_info("bench.decode_attention", args.threads), "base": args.base, "cache": args.cache,
+    data = {**run_info("bench.kernels.decode_attention", args.threads), "base": args.base, "cache": args.cache,
             "shape": {"layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "block_size": BLOCK, "context": list(CONTEXT)}, "steps": []}
     g = torch.Generator().manual_seed(0)
@@ -137,7 +137,7 @@ def main() -> None:
     _, read_gbps = roofline.measure_bandwidth(1 << 28, 5)
     data["read_gbps"] = read_gbps
     key = "decode_attention_int8" if int8 else "decode_attention"
-    write_json(f"{key}.json", data)
+    write_json(f"kernels/{key}.json", data)
     # The split's imbalance says how much the default base's equal halves cost; against another base it is noise.
     split = args.base == DEFAULT_BASE
     headers = ["batch", "context rows", *(["static split imbalance"] if split else []), "base ms", "this tree ms",
@@ -163,7 +163,7 @@ def main() -> None:
         + (" (sequences taken longest first from a shared counter)" if split else "")
         + f", alternating {args.rounds} rounds, medians compared, {agree}. Memory read rate measured after the "
         f"runs: {read_gbps:.1f} GB/s.",
-        "one decode step's attention, all layers", headers, rows)
+        "one decode step's attention, all layers", headers, rows, docs=PERF / "kernels.md")
 
 
 if __name__ == "__main__":

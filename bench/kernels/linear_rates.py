@@ -1,18 +1,18 @@
 """fp32 GFLOP/s of SmolLM2-135M's linear layers at decode-sized row counts, per CPU path.
 
-    .venv/bin/python -m bench.linear_rates                 # rows 1, 8, 16, 32, 48, 64, 128, 256, 512
-    .venv/bin/python -m bench.linear_rates --rows 32 64
+    .venv/bin/python -m bench.kernels.linear_rates                 # rows 1, 8, 16, 32, 48, 64, 128, 256, 512
+    .venv/bin/python -m bench.kernels.linear_rates --rows 32 64
 
 For each row count and weight shape (random weights: only the shapes matter), the
 median time of: the engine's skinny kernel (1-8 rows), MKL (`torch.mm`), oneDNN on
 the plain weight, oneDNN on its packed copy (what `cpu_prepack_weights` keeps on CPUs
 without AVX-512), and the panel kernel on its packed copy (what it keeps on AVX-512
 CPUs, up to 256 rows; engine/models/linear.py). Each weight is called repeatedly, so
-it sits in cache: bench.panel_gemm measures the paths with a whole model's weights
+it sits in cache: bench.kernels.panel_gemm measures the paths with a whole model's weights
 streamed from memory, as in a decode step. The last column is the roofline's own reference, a
 2048-row product, so the table shows how far decode-shaped products fall short of
-the roof that bench.throughput divides by. Writes bench/results/linear_rates.json
-and its section of docs/BENCHMARKS.md.
+the roof that bench.throughput divides by. Writes bench/results/kernels/linear_rates.json
+and its section of docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from bench import roofline
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -76,14 +76,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    data = {**run_info("bench.linear_rates", args.threads), "shapes": SHAPES, "rows": {}}
+    data = {**run_info("bench.kernels.linear_rates", args.threads), "shapes": SHAPES, "rows": {}}
     with progress_bar("linear rates", len(args.rows) + 1) as advance, torch.inference_mode():
         data["roof"] = roofline.measure_machine(5).to_dict()
         advance()
         for rows in args.rows:
             data["rows"][rows] = measure(rows, args.reps)
             advance()
-    write_json("linear_rates.json", data)
+    write_json("kernels/linear_rates.json", data)
     peak = data["roof"]["peak_gflops"]
 
     def cell(rates: dict, path: str) -> str:
@@ -96,7 +96,7 @@ def main() -> None:
     publish_table(
         "linear_rates", "Decode-shaped products against the roof", data,
         f"the median of {args.reps} calls per path and weight shape, summed over SmolLM2-135M's qkv, o_proj, "
-        "gate_up, down and LM-head weights.", title, headers, rows)
+        "gate_up, down and LM-head weights.", title, headers, rows, docs=PERF / "kernels.md")
 
 if __name__ == "__main__":
     main()

@@ -1,13 +1,13 @@
 """The fused fp32 CPU kernels (RMSNorm, residual add + RMSNorm, RoPE, SwiGLU's activation) against torch ops.
 
-    .venv/bin/python -m bench.fused_kernels
-    .venv/bin/python -m bench.fused_kernels --rounds 6 --batch 32
+    .venv/bin/python -m bench.kernels.fused_kernels
+    .venv/bin/python -m bench.kernels.fused_kernels --rounds 6 --batch 32
 
 One SmolLM2-135M fp32 engine without packed weight copies (cpu_prepack_weights false) runs single-stream decode, decode at a fixed batch
 and prefill-only steps, alternately with the fused kernels (engine/models/csrc/fused_cpu.cpp) and
 with the torch ops (the model's fallback when the extension cannot be built), in the same process,
 round after round, so that both arms see the same machine; the medians over the rounds are
-compared. Writes bench/results/fused_kernels.json and its section of docs/BENCHMARKS.md.
+compared. Writes bench/results/kernels/fused_kernels.json and its section of docs/perf/kernels.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from bench.report import publish_table, run_info, write_json
+from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM, SamplingParams
 
@@ -97,9 +97,9 @@ def main() -> None:
                                                 decode_tok_s(llm, batch, args.prompt, args.tokens, tag))
             advance()
     medians = {c: {arm: statistics.median(v) for arm, v in arms.items()} for c, arms in rates.items()}
-    data = {**run_info("bench.fused_kernels", args.threads), "settings": vars(args), "rates": rates,
+    data = {**run_info("bench.kernels.fused_kernels", args.threads), "settings": vars(args), "rates": rates,
             "medians": medians}
-    write_json("fused_kernels.json", data)
+    write_json("kernels/fused_kernels.json", data)
     headers = ["phase", "torch ops tok/s", "fused kernels tok/s", "fused ÷ torch"]
     rows = [(c, f"{m['torch ops']:.1f}", f"{m['fused kernels']:.1f}", f"{m['fused kernels'] / m['torch ops']:.2f}×")
             for c, m in medians.items()]
@@ -110,7 +110,7 @@ def main() -> None:
         "2026-12-05); decode: {args.prompt}-token prompts, {args.tokens} greedy "
         f"tokens each, decode steps only; prefill: {num} prompts of {plen} tokens, one token each, every step "
         f"timed; the two arms alternate {args.rounds} times in one process and the medians are compared.",
-        title, headers, rows)
+        title, headers, rows, docs=PERF / "kernels.md")
 
 if __name__ == "__main__":
     main()
