@@ -1,0 +1,47 @@
+"""bench.slo's arithmetic: Poisson schedules, the per-request metrics and what counts as meeting the SLO."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from bench.slo import Slo, Step, Timings, arrivals, goodput
+
+
+def test_arrivals_are_a_seeded_poisson_process_at_the_rate():
+    a = arrivals(2.0, 4000, seed=1)
+    assert a == arrivals(2.0, 4000, seed=1) and a != arrivals(2.0, 4000, seed=2)
+    assert all(x < y for x, y in itertools.pairwise(a))
+    assert a[-1] / len(a) == pytest.approx(0.5, rel=0.05)  # mean gap 1/rate
+
+
+def step(rate: float, *timings: Timings) -> Step:
+    return Step("ours", rate, 10.0, {f"r{i}": t for i, t in enumerate(timings)})
+
+
+def test_tpot_spreads_the_time_after_the_first_token_over_the_tokens_after_it():
+    s = step(1.0, Timings(first_token=0.5, last_token=1.4, done=1.5, tokens=10))
+    assert s.p(50, "tpot") == pytest.approx(0.1)
+    assert s.p(50, "ttft") == 0.5 and s.p(50, "e2e") == 1.5
+
+
+def test_a_step_meets_the_slo_only_with_every_request_answered_and_the_p99_limits_held():
+    slo = Slo(ttft_p99_s=2.0, tpot_p99_s=0.1, e2e_p99_s=30.0)
+    fast = Timings(first_token=0.5, last_token=1.0, done=1.1, tokens=11)
+    assert step(1.0, fast, fast).meets(slo)
+    assert not step(1.0, fast, Timings()).meets(slo)  # one never answered
+    assert not step(1.0, fast, Timings(first_token=2.5, last_token=3.0, done=3.1, tokens=11)).meets(slo)
+    assert not step(1.0, fast, Timings(first_token=0.5, last_token=3.0, done=3.1, tokens=11)).meets(slo)
+    assert not step(1.0, fast, Timings(done=0.2, error="deadline_exceeded")).meets(slo)
+    # Without streaming only end-to-end latency counts.
+    assert step(1.0, Timings(done=29.0, tokens=5)).meets_e2e(slo)
+    assert not step(1.0, Timings(done=31.0, tokens=5)).meets_e2e(slo)
+
+
+def test_goodput_is_the_highest_rate_that_passes():
+    slo = Slo()
+    ok, slow = Timings(first_token=0.1, last_token=0.5, done=0.6, tokens=5), Timings(first_token=5.0, done=6.0)
+    steps = [step(0.5, ok), step(1.0, ok), step(2.0, slow)]
+    assert goodput(steps, lambda s: s.meets(slo)) == 1.0
+    assert goodput([step(0.5, slow)], lambda s: s.meets(slo)) == 0.0
