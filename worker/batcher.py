@@ -9,7 +9,10 @@ to its longest member.
 
 Both are pure logic: no asyncio, no threads, time passed in. The worker calls
 `add` as requests arrive, sleeps until `next_deadline()`, calls `poll`, and
-calls `drain` on shutdown.
+calls `drain` on shutdown. In front of a continuous-batching engine, waiting
+only pays while the engine is full: the worker calls `release(room)` with the
+sequences the engine can start now, and that many pending requests leave at
+once, so a batcher adds no wait while the engine has room.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-FLUSH_REASONS = ("full", "timeout", "adaptive", "drain")
+FLUSH_REASONS = ("full", "timeout", "adaptive", "drain", "room")
 
 
 @dataclass
@@ -92,6 +95,10 @@ class Batcher(Protocol):
         """Everything pending, oldest first (shutdown)."""
         ...
 
+    def release(self, room: int) -> list[Batch]:
+        """Up to `room` pending items at once (the engine can start that many now), oldest first."""
+        ...
+
     def __len__(self) -> int: ...
 
 
@@ -140,6 +147,12 @@ class FifoBatcher:
 
     def drain(self) -> list[Batch]:
         return [self._flush("drain")] if self._items else []
+
+    def release(self, room: int) -> list[Batch]:
+        if room <= 0 or not self._items:
+            return []
+        batch, self._items = Batch(None, self._items[:room], "room"), self._items[room:]
+        return [batch]
 
     def _flush(self, reason: str) -> Batch:
         batch, self._items = Batch(None, self._items, reason), []
@@ -318,6 +331,19 @@ class DynamicBucketBatcher:
     def drain(self) -> list[Batch]:
         order = sorted((_oldest(p), b) for b, p in enumerate(self._pending) if p)
         return [self._flush(b, "drain") for _, b in order]
+
+    def release(self, room: int) -> list[Batch]:
+        """Buckets in the order of their oldest item, each as one batch of similar requests, until `room` is
+        used up; a bucket that does not fit whole gives its oldest items and keeps the rest."""
+        out = []
+        for _, b in sorted((_oldest(p), b) for b, p in enumerate(self._pending) if p):
+            if room <= 0:
+                break
+            pending = sorted(self._pending[b], key=lambda i: i.arrival)
+            out.append(Batch(b, pending[:room], "room"))
+            self._pending[b] = pending[room:]
+            room -= len(out[-1].items)
+        return out
 
     def _flush(self, bucket: int, reason: str) -> Batch:
         batch = Batch(bucket, self._pending[bucket], reason)

@@ -269,3 +269,40 @@ def test_every_item_comes_out_exactly_once(ops, kind, size, timeout):
     assert sorted(released_keys) == sorted(added)
     assert all(1 <= len(x.items) <= size for x in out)
     assert len(b) == 0 and b.next_deadline() is None
+
+
+# ---- room: no wait while the engine can start more ---------------------------------
+def test_release_hands_over_at_most_room_items_bucket_by_bucket_oldest_first():
+    b = dyn(adaptive=False)
+    b.add(item("long1", 3000, at=0.0))  # bucket 0
+    b.add(item("s1", 40, at=0.1))  # bucket 4
+    b.add(item("s2", 40, at=0.2))
+    b.add(item("long2", 3000, at=0.3))
+    assert b.release(0) == []
+    batches = b.release(3)
+    assert [(x.bucket, x.reason) for x in batches] == [(0, "room"), (4, "room")]
+    assert keys(batches) == [["long1", "long2"], ["s1"]]
+    assert len(b) == 1 and b.pending(4) == 1
+    assert keys(b.release(5)) == [["s2"]] and len(b) == 0 and b.release(5) == []
+
+
+def test_fifo_release_is_arrival_order():
+    f = FifoBatcher(max_batch_size=8, batch_timeout_s=1.0, clock=Clock())
+    for k, at in (("a", 0.0), ("b", 0.1), ("c", 0.2)):
+        f.add(item(k, 40, at=at))
+    assert keys(f.release(2)) == [["a", "b"]] and f.release(2)[0].reason == "room"
+    assert len(f) == 0 and f.next_deadline() is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 512)), max_size=40), st.integers(0, 50))
+def test_release_never_loses_or_repeats_an_item(requests, room):
+    b = dyn()
+    full = []
+    for n, (prompt, gen) in enumerate(requests):
+        full += [i.key for x in b.add(item(str(n), prompt, gen, at=n * 0.01)) for i in x.items]
+    waiting = len(b)
+    released = [i.key for x in b.release(room) for i in x.items]
+    assert len(released) == min(room, waiting) == waiting - len(b)
+    rest = [i.key for x in b.drain() for i in x.items]
+    assert sorted(full + released + rest, key=int) == [str(n) for n in range(len(requests))]
