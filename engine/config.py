@@ -105,6 +105,14 @@ class EngineConfig:
     # Deterministic requests prefill in chunks on this fixed grid of rows, so their
     # chunking never depends on what else is scheduled.
     deterministic_chunk: int = 256
+    # Speculative decoding (engine/speculative.py): None, or "prompt_lookup" (drafts from n-grams of the
+    # request's own tokens, n from prompt_lookup_max down to prompt_lookup_min). Up to
+    # num_speculative_tokens drafts per decode step, verified in the same forward pass. Drafting needs each
+    # step's tokens before the next is built, so it runs with synchronous scheduling only.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -149,8 +157,25 @@ class EngineConfig:
             raise InvalidRequestError(f"cpu_memory_bytes must be positive, got {self.cpu_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise InvalidRequestError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        self._validate_speculative()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _validate_speculative(self) -> None:
+        if self.speculative_method not in (None, "prompt_lookup"):
+            raise InvalidRequestError(
+                f"speculative_method must be None or 'prompt_lookup', got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise InvalidRequestError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                      f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.speculative_method is not None and self.async_scheduling:
+            raise InvalidRequestError("speculative decoding needs synchronous scheduling (a draft is built from "
+                                      "the tokens of the step before): set async_scheduling to false or leave it unset")
+        if self.speculative_method is not None and self.kv_fp_window:
+            raise InvalidRequestError("speculative decoding does not run with kv_fp_window (rejected drafts would "
+                                      "overwrite the window's rows); use kv_fp_window: 0")
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -42,6 +42,7 @@ from engine.quant.modules import weight_bytes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import make_proposer
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ class EngineCore:
         self.deterministic_grid = min(config.deterministic_chunk, config.max_num_batched_tokens // bs * bs)
         self.block_manager.deterministic_chunk = self.deterministic_grid
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.deterministic_grid)
+                                   self.max_model_len, self.deterministic_grid, make_proposer(config),
+                                   config.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         if self.layout.window:
             self.runner.kv_window = KVWindowSlots(self.layout.window, self.layout.window_slots)
@@ -153,8 +155,9 @@ class EngineCore:
             self._capture_graphs()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []
+        # Speculative decoding drafts from the step before's tokens, so it takes synchronous scheduling.
         self.pipelined = (config.async_scheduling if config.async_scheduling is not None
-                          else self.device.type == "cuda")
+                          else self.device.type == "cuda" and config.speculative_method is None)
         # The launched step whose tokens are not collected yet (pipelined scheduling).
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
         self._last_idle_s: float | None = None  # device idle before the last collected step (CUDA)
@@ -297,13 +300,15 @@ class EngineCore:
         for rid, scores in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, scores)
         outputs = []
-        steps = self.scheduler.update(sched, result.sampled) if advance else self.scheduler.resolve(sched, result.sampled)
+        steps = (self.scheduler.update(sched, result.sampled, result.verified) if advance
+                 else self.scheduler.resolve(sched, result.sampled, result.verified))
         for st in steps:
             req = st.request
-            out, stop_hit = self.output_processor.process(
-                req, st.new_token_id, result.logprobs.get(req.request_id), st.finished)
-            if stop_hit and not st.finished:
-                self.scheduler.finish(req, "stop")
+            run = st.new_token_ids or [st.new_token_id]
+            out, stop_hit, used = self.output_processor.process_run(
+                req, run, result.logprobs.get(req.request_id), st.finished)
+            if stop_hit and not (st.finished and used == len(run)):
+                self.scheduler.finish(req, "stop", drop_last=len(run) - used)
             outputs.append(out)
         return outputs
 
@@ -336,6 +341,8 @@ class EngineCore:
             step_time_s=step_time,
             steps_total=self._steps,
             finished_ids=finished_ids,
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
         )
 
 

@@ -1,8 +1,8 @@
 """Turns one SchedulerOutput into a forward pass and sampled tokens.
 
 The flat batch is laid out as [decode tokens | prefill chunks]; only the rows
-whose logits are needed (the last row of each request that samples) go
-through the LM head.
+whose logits are needed (the last row of each request that samples, every
+row of a speculative draft's chunk) go through the LM head.
 
 A step is `launch`ed, then `collect`ed. Launching queues the forward pass and
 the sampling on the device and starts copying the chosen token ids back,
@@ -30,6 +30,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER
 from engine.sampler import DeviceSample, sample_on_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.speculative import verify
 from engine.transfer import to_device
 
 
@@ -41,6 +42,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # Seconds the device sat idle between the previous step's work and this one's (CUDA only).
     device_idle_s: float | None = None
+    # request id -> the tokens a drafted request keeps (engine/speculative.py)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class StepHandle:
     started: torch.cuda.Event | None = None  # the device began this step's work
     previous_end: torch.cuda.Event | None = None  # the device finished the step before
     logits: dict[str, torch.Tensor] | None = None  # captured logits (capture_logits)
+    verified: dict[str, list[int]] = field(default_factory=dict)  # drafted requests' kept tokens, on the host
 
 
 class ModelRunner:
@@ -120,14 +124,15 @@ class ModelRunner:
         if handle.logits is not None:
             self.last_logits = handle.logits
         if handle.sample is None:
-            return RunnerOutput({}, {}, handle.prompt_logprobs, idle)
+            return RunnerOutput({}, {}, handle.prompt_logprobs, idle, handle.verified)
         result = handle.sample.to_host(handle.host)
         sampled = {s.request_id: t for s, t in zip(handle.sampling, result.token_ids, strict=True)}
         logprobs = {s.request_id: lp for s, lp in zip(handle.sampling, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs, handle.prompt_logprobs, idle)
+        return RunnerOutput(sampled, logprobs, handle.prompt_logprobs, idle, handle.verified)
 
     def _sample(self, ordered, hidden: torch.Tensor) -> StepHandle:
         rows, sampling = [], []
+        draft_rows, drafted = [], []
         score_rows: list[int] = []
         score_targets: list[tuple[str, int, int]] = []  # (request id, position, token)
         offset = 0
@@ -139,16 +144,25 @@ class ModelRunner:
                         score_rows.append(offset + pos - 1 - s.start)
                         score_targets.append((s.request_id, pos, s.history[pos]))
             offset += len(s.token_ids)
-            if s.sample:
+            if s.num_draft:
+                draft_rows.extend(range(offset - s.num_draft - 1, offset))
+                drafted.append(s)
+            elif s.sample:
                 rows.append(offset - 1)
                 sampling.append(s)
         prompt_logprobs = self._score(hidden, score_rows, score_targets) if score_rows else {}
-        if not sampling:
+        if not sampling and not drafted:
             return StepHandle([], {}, None, None, prompt_logprobs)
         # Rows rise strictly, so n of them ending at n - 1 are every row (a decode-only step): no gather.
-        chosen_rows = hidden if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1 \
-            else hidden[to_device(rows, hidden.device)]
+        chosen_rows = hidden if not drafted and len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1 \
+            else hidden[to_device(rows + draft_rows, hidden.device)]
         logits = self.model.compute_logits(chosen_rows).float()
+        # Verification reads its choices back at once: drafted steps are never pipelined.
+        verified = {s.request_id: run for s, run in zip(drafted, verify(logits[len(rows):], drafted), strict=True)} \
+            if drafted else {}
+        if not sampling:
+            return StepHandle([], {}, None, None, prompt_logprobs, verified=verified)
+        logits = logits[:len(rows)]
         captured = {s.request_id: logits[i].cpu().clone() for i, s in enumerate(sampling)} \
             if self.capture_logits else None
         if any(s.banned for s in sampling):
@@ -163,7 +177,7 @@ class ModelRunner:
         else:
             host = tensors
         return StepHandle(sampling, {s.request_id: i for i, s in enumerate(sampling)}, chosen, host,
-                          prompt_logprobs, logits=captured)
+                          prompt_logprobs, logits=captured, verified=verified)
 
     def _score(self, hidden: torch.Tensor, rows: list[int], targets: list[tuple[str, int, int]],
                chunk: int = 256) -> dict[str, dict[int, float]]:

@@ -39,6 +39,17 @@ class OutputProcessor:
 
         Returns the output and whether a stop string ended the request.
         """
+        out, stop_hit, _ = self.process_run(request, [token_id], logprob, finished)
+        return out, stop_hit
+
+    def process_run(self, request: Request, token_ids: list[int], logprob,
+                    finished: bool) -> tuple[RequestOutput, bool, int]:
+        """Fold a step's new tokens (several after a verified speculative run) into one output.
+
+        Returns the output, whether a stop string ended the request, and how many of the tokens
+        it used: a stop string ends the run at the token that completes it, and the output leaves
+        the rest out (the caller drops them from the request).
+        """
         st = self._states[request.request_id]
         now = time.monotonic()
         if request.first_token_time is None:
@@ -46,13 +57,18 @@ class OutputProcessor:
         if st.logprobs is not None and logprob is not None:
             st.logprobs.append(logprob)
         stop_hit = False
-        if st.stream is not None and token_id not in request.stop_token_ids:
-            piece = self.tokenizer.step_stream(st.stream, token_id)
-            if piece:
-                before = len(st.text)
-                st.text += piece
-                if st.max_stop_len:
-                    stop_hit = self._check_stop(request, st, before)
+        used = 0
+        for token_id in token_ids:
+            used += 1
+            if st.stream is not None and token_id not in request.stop_token_ids:
+                piece = self.tokenizer.step_stream(st.stream, token_id)
+                if piece:
+                    before = len(st.text)
+                    st.text += piece
+                    if st.max_stop_len and self._check_stop(request, st, before):
+                        stop_hit = True
+                        break
+        unused = len(token_ids) - used
         done = finished or stop_hit
         if finished and not stop_hit and st.stream is not None:
             # The stream holds back bytes of an unfinished UTF-8 character; at the
@@ -65,10 +81,11 @@ class OutputProcessor:
         visible = max(len(st.text) - holdback, st.emitted)
         new_text = st.text[st.emitted:visible]
         st.emitted = visible
-        out = self._output(request, [token_id], new_text, done, "stop" if stop_hit else request.finish_reason, now)
+        out = self._output(request, token_ids[:used], new_text, done, "stop" if stop_hit else request.finish_reason,
+                           now, unused=unused)
         if done:
             self._states.pop(request.request_id, None)
-        return out, stop_hit
+        return out, stop_hit, used
 
     def _check_stop(self, request: Request, st: _TextState, before: int) -> bool:
         window_start = max(0, before - st.max_stop_len + 1)
@@ -90,13 +107,15 @@ class OutputProcessor:
         out.error = error
         return out
 
-    def _output(self, request: Request, new_ids, new_text, finished, reason, now, text=None, logprobs=None):
+    def _output(self, request: Request, new_ids, new_text, finished, reason, now, text=None, logprobs=None,
+                unused: int = 0):
         st = self._states.get(request.request_id)
+        token_ids = request.output_token_ids
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
+            token_ids=token_ids[:len(token_ids) - unused],
             text=text if text is not None else (st.text if st else ""),
             new_token_ids=new_ids,
             new_text=new_text,

@@ -57,6 +57,13 @@ class EngineStats:
     finished_ids: list[str] = field(default_factory=list)
     # Seconds the device sat idle before the last collected step (measured with CUDA events; None on CPU).
     device_idle_s: float | None = None
+    # Speculative decoding, since the engine started: draft tokens proposed, and of those verified.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def batch_utilization(self) -> float:

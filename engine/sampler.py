@@ -79,7 +79,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
             idx = to_device(greedy, device)
             chosen[idx] = greedy_choice(logits[idx])
         idx = to_device(rand, device)
-        probs = _filtered_probs(logits[idx], [params[i] for i in rand])
+        probs = filtered_probs(logits[idx], [params[i] for i in rand])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one draw per row.
         chosen[idx] = (probs / _exponential_noise(probs, [generators[i] for i in rand])).argmax(dim=-1)
 
@@ -115,7 +115,7 @@ def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | N
     return noise
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = logits.device
     temps = to_device([p.temperature for p in params], device, logits.dtype).unsqueeze(1)
     logits = logits / temps

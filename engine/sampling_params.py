@@ -41,6 +41,9 @@ class SamplingParams:
     score_positions: tuple[int, ...] = ()
     # Batch invariance: the same tokens whatever else shares the batch (see docs/determinism).
     deterministic: bool = False
+    # Speculative decoding for this request, where the engine has it on (EngineConfig.speculative_method);
+    # False: one token a step.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples: the object is frozen and shared.
@@ -84,6 +87,8 @@ class SamplingParams:
             raise bad("banned phrases must be non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.score_positions):
             raise bad("score_positions must be integers >= 1 (a token is scored given the tokens before it)")
+        if not isinstance(self.speculative, bool):
+            raise bad(f"speculative must be true or false, got {self.speculative!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 

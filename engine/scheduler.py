@@ -14,6 +14,11 @@ scheduled (and its inputs built) while the device still runs this one;
 `resolve` later puts the sampled tokens in and applies the stop rules. A
 request that turns out to have stopped has run one step too many, whose token
 is dropped. `update` is the two back to back, for a step that has finished.
+
+Speculative decoding (synchronous scheduling only): a decode request with a
+proposer's draft is scheduled as `[last token] + draft` (`num_draft` > 0);
+`resolve` appends the verified run the runner returns and counts only its rows
+as computed (engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from engine.attention.metadata import MaskSpec
 from engine.block_manager import BlockManager
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.speculative import Proposer, may_speculate
 
 
 @dataclass
@@ -45,6 +51,7 @@ class ScheduledRequest:
     history: list[int]  # the request's tokens so far (shared, not copied)
     banned: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
     pending_index: int = -1  # where advance() put this step's sampled token in the request's tokens
+    num_draft: int = 0  # the last num_draft token_ids are a speculative draft, not yet the request's tokens
 
     @property
     def is_decode(self) -> bool:
@@ -72,6 +79,8 @@ class FinishedStep:
     request: Request
     new_token_id: int | None
     finished: bool
+    # A verified speculative run: every token the step added, in order (new_token_id is the last).
+    new_token_ids: list[int] | None = None
 
 
 def chunk_size(req: Request, start: int, budget: int, grid: int) -> int:
@@ -97,7 +106,8 @@ def chunk_size(req: Request, start: int, budget: int, grid: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, deterministic_chunk: int = 256) -> None:
+                 max_model_len: int, deterministic_chunk: int = 256, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         self.kv = block_manager
         self.grid = deterministic_chunk
         self.max_num_seqs = max_num_seqs
@@ -108,6 +118,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_draft_tokens = 0  # proposed, since start
+        self.num_accepted_tokens = 0  # of those, verified
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -126,6 +140,12 @@ class Scheduler:
             req = self.running[i]
             if req.num_pending and self._surely_done(req):
                 i += 1  # its pending token is its last: resolve() finishes it
+                continue
+            draft = self._draft(req, budget)
+            if draft and self.kv.allocate(req, 1 + len(draft)):
+                self._emit(out, req, 1, draft)
+                budget -= 1 + len(draft)
+                i += 1
                 continue
             num_new = chunk_size(req, req.num_computed_tokens, budget, self.grid)
             if num_new <= 0:
@@ -179,16 +199,26 @@ class Scheduler:
         bs = self.kv.block_size
         hashes: set[int] = set()
         for s in out.scheduled if scheduled is None else scheduled:
-            if len(s.token_ids) > 1:
+            if len(s.token_ids) > 1 and not s.num_draft:
                 req = self.requests[s.request_id]
                 hashes.update(req.block_hashes[s.start // bs:(s.start + len(s.token_ids)) // bs])
         return hashes
 
-    def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """A draft for a decode request whose tokens are all known, within its length limits and the budget."""
+        if (self.proposer is None or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
+                or not may_speculate(req.params)):
+            return []
+        # The step may add num_draft + 1 tokens: all of them must fit max_tokens and max_model_len.
+        limit = min(self.num_speculative_tokens, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req, limit) if limit > 0 else []
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int, draft: list[int] = ()) -> None:
         start = req.num_computed_tokens
         out.scheduled.append(ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids[start:start + num_new],
+            token_ids=req.token_ids[start:start + num_new] + list(draft),
             start=start,
             block_table=list(req.block_ids),
             sample=start + num_new == req.num_tokens,
@@ -197,8 +227,9 @@ class Scheduler:
             generator=req.generator,
             history=req.token_ids,
             banned=req.banned_sequences,
+            num_draft=len(draft),
         ))
-        out.num_scheduled_tokens += num_new
+        out.num_scheduled_tokens += num_new + len(draft)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -208,17 +239,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[FinishedStep]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               verified: dict[str, list[int]] | None = None) -> list[FinishedStep]:
         """Advance computed tokens, append sampled tokens, and finish requests that hit a limit."""
         self.advance(out)
-        return self.resolve(out, sampled)
+        return self.resolve(out, sampled, verified)
 
     def advance(self, out: SchedulerOutput) -> None:
         """A step was launched: count its rows as computed and hold a PLACEHOLDER for each token it samples."""
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
-            if req is None or req.is_finished:
-                continue  # aborted since it was scheduled
+            if req is None or req.is_finished or s.num_draft:
+                continue  # aborted since it was scheduled; a drafted chunk is accounted for in resolve()
             req.num_computed_tokens += len(s.token_ids)
             self.kv.register_full_blocks(req)
             if s.sample:
@@ -226,11 +258,20 @@ class Scheduler:
                 req.num_pending += 1
                 s.pending_index = len(req.token_ids) - 1
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[FinishedStep]:
-        """Put an advanced step's sampled tokens in place and finish requests that hit a limit."""
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int],
+                verified: dict[str, list[int]] | None = None) -> list[FinishedStep]:
+        """Put an advanced step's sampled tokens in place and finish requests that hit a limit.
+
+        `verified` holds each drafted request's verified run (engine/speculative.py)."""
         steps: list[FinishedStep] = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
+            if s.num_draft and req is not None and not req.is_finished:
+                run = (verified or {}).get(s.request_id)
+                if run is None:
+                    raise RuntimeError(f"no verified tokens for {s.request_id!r}, which was drafted in this step")
+                steps.append(self._accept(req, s, run))
+                continue
             if req is None or req.is_finished or s.pending_index < 0:
                 continue  # finished while the step ran (abort, stop string, a stop token one step earlier)
             token = sampled.get(s.request_id)
@@ -243,6 +284,25 @@ class Scheduler:
                 self.finish(req, reason)
             steps.append(FinishedStep(req, token, reason is not None))
         return steps
+
+    def _accept(self, req: Request, s: ScheduledRequest, run: list[int]) -> FinishedStep:
+        """Append a drafted step's verified run, cut at the first token that stops the request."""
+        self.num_draft_tokens += s.num_draft
+        self.num_accepted_tokens += len(run) - 1
+        first = req.num_tokens
+        reason = None
+        for token in run:
+            req.token_ids.append(token)
+            reason = self._stop_reason(req, token, req.num_tokens)
+            if reason is not None:
+                break
+        # The rows computed and kept: the last known token's and the accepted drafts' before the new token.
+        req.num_computed_tokens += req.num_tokens - first
+        self.kv.register_full_blocks(req)
+        if reason is not None:
+            self.finish(req, reason)
+        added = req.token_ids[first:]
+        return FinishedStep(req, added[-1], reason is not None, added)
 
     def _surely_done(self, req: Request) -> bool:
         """Whether the request's pending tokens already reach its length limits."""
@@ -258,7 +318,10 @@ class Scheduler:
             return "length"
         return None
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: str, drop_last: int = 0) -> None:
+        """End the request; `drop_last` removes its last tokens (a stop string ended a verified run early)."""
+        if drop_last:
+            del req.token_ids[len(req.token_ids) - drop_last:]
         if req.is_finished:
             return
         if req.status is RequestStatus.RUNNING:
