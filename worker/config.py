@@ -368,6 +368,21 @@ class AsrConfig(_Section):
     mask_policy: Literal["causal", "chunk_bidirectional", "prefix_bidirectional", "packed_segments"] = "causal"
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding. `method` prompt_lookup drafts up to `k` tokens a step from the request's own
+    tokens, matching its last `n` down to `n_min` tokens. ASR requests use it when it is on (their output
+    mostly copies the chunk); chat requests only with `chat: true`. It needs synchronous scheduling."""
+
+    method: Literal["prompt_lookup"] | None = None
+    k: PositiveInt = 4
+    n: PositiveInt = 4
+    n_min: PositiveInt = 2
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.n_min <= self.n, "n_min", f"must be <= n ({self.n}), got {self.n_min}")
+
+
 class RiskConfig(_Section):
     """Batch risk analysis: the labels a request gets when it names none, and the instruction given to the model."""
 
@@ -396,6 +411,7 @@ class ServiceConfig(_Section):
     chat: ChatConfig = msgspec.field(default_factory=ChatConfig)
     asr: AsrConfig = msgspec.field(default_factory=AsrConfig)
     risk: RiskConfig = msgspec.field(default_factory=RiskConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         max_seq_len = self.model.max_seq_len
@@ -443,6 +459,10 @@ class ServiceConfig(_Section):
                 cpu_decode_split_rows=execution.cpu_decode_split_rows,
                 cuda_graphs=execution.cuda_graphs,
                 async_scheduling=execution.async_scheduling,
+                speculative_method=self.speculative.method,
+                num_speculative_tokens=self.speculative.k,
+                prompt_lookup_max=self.speculative.n,
+                prompt_lookup_min=self.speculative.n_min,
             )
         except RequestError as exc:
             raise ConfigError(f"the engine rejected the configuration: {exc}") from None

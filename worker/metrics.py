@@ -53,6 +53,8 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+# Tokens one request gets from one engine step: 1 without speculative decoding, up to k + 1 with it.
+SPEC_TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 # Histogram base names; PromQL sees them with _bucket, _sum and _count.
 HISTOGRAM_NAMES: tuple[str, ...] = (
@@ -63,6 +65,7 @@ HISTOGRAM_NAMES: tuple[str, ...] = (
     "infinilm_e2e_request_latency_seconds",
     "infinilm_queue_time_seconds",
     "infinilm_gc_pause_seconds",
+    "infinilm_spec_tokens_per_step",
 )
 
 # Every metric, by the name PromQL uses: counters with _total, the info metric
@@ -89,6 +92,9 @@ METRIC_NAMES: tuple[str, ...] = (
     "infinilm_batches_total",
     "infinilm_padding_tokens_total",
     "infinilm_gc_collected_objects_total",
+    "infinilm_spec_acceptance_rate",
+    "infinilm_spec_draft_tokens_total",
+    "infinilm_spec_accepted_tokens_total",
     *HISTOGRAM_NAMES,
 )
 
@@ -292,6 +298,26 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.spec_acceptance_rate = Gauge(
+            "infinilm_spec_acceptance_rate",
+            "Share of speculative draft tokens that verification accepted, since the engine started.",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "infinilm_spec_draft_tokens_total", "Speculative draft tokens proposed.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "infinilm_spec_accepted_tokens_total", "Speculative draft tokens accepted.", registry=r
+        )
+        self.spec_tokens_per_step = Histogram(
+            "infinilm_spec_tokens_per_step",
+            "Tokens a request got from one engine step (above 1 only through accepted drafts).",
+            ["kind"],
+            buckets=SPEC_TOKENS_PER_STEP_BUCKETS,
+            registry=r,
+        )
+        self._spec_seen = (0, 0)  # the engine's cumulative (draft, accepted) counts last observed
+
         self._initialise_series()
 
     def _initialise_series(self) -> None:
@@ -355,6 +381,20 @@ class WorkerMetrics:
             self.preemptions.inc(num_preemptions)
         if prefix_cache_hit_rate is not None:
             self.kv_cache_hit_rate.set(_clamp_ratio(prefix_cache_hit_rate))
+
+    def observe_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
+        """The engine's cumulative draft and accepted token counts (EngineStats), after a step."""
+        seen_draft, seen_accepted = self._spec_seen
+        if draft_tokens >= seen_draft and accepted_tokens >= seen_accepted:  # else a new engine: start over
+            self.spec_draft_tokens.inc(draft_tokens - seen_draft)
+            self.spec_accepted_tokens.inc(accepted_tokens - seen_accepted)
+        self._spec_seen = (draft_tokens, accepted_tokens)
+        if draft_tokens:
+            self.spec_acceptance_rate.set(_clamp_ratio(accepted_tokens / draft_tokens))
+
+    def observe_step_tokens(self, kind: str, num_tokens: int) -> None:
+        """Tokens one request of `kind` got from one step."""
+        self.spec_tokens_per_step.labels(kind=_check_member("kind", kind, REQUEST_KINDS)).observe(num_tokens)
 
     def set_cluster_kv_cache_hit_rate(self, rate: float) -> None:
         self.cluster_kv_cache_hit_rate.set(_clamp_ratio(rate))

@@ -124,6 +124,8 @@ class Worker:
                 self._engine_thread.close()
                 raise
         self.engine = engine
+        # Speculative-decoding metrics only where the engine drafts.
+        self._speculative = getattr(getattr(engine, "config", None), "speculative_method", None) is not None
         self.model_name = config.model.name
         self.metrics.set_worker_info(self.worker_id, self.model_name, _version())
         self.metrics.declare_label_values(topics=config.topics.request_topics.values(), redis_ops=REDIS_OPS,
@@ -457,6 +459,8 @@ class Worker:
             if fl is None or fl.done:
                 continue
             idx = fl.engine_ids.index(out.request_id)
+            if self._speculative and out.new_token_ids:
+                self.metrics.observe_step_tokens(fl.request.kind, len(out.new_token_ids))
             if fl.stream[idx] and (out.new_text or out.finished):
                 await self._send_delta(fl, out)
             if not out.finished:
@@ -489,6 +493,8 @@ class Worker:
                 num_waiting=st.num_waiting, num_preemptions=st.num_preemptions,
                 prefix_cache_hit_rate=st.prefix_cache_hit_rate,
             )
+            if self._speculative:
+                self.metrics.observe_speculation(st.spec_draft_tokens, st.spec_accepted_tokens)
             self._last_stats = st
         if ev.kv_events and self.redis is not None:
             await self.redis.publish_kv_events(ev.kv_events)

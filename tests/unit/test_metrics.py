@@ -51,6 +51,8 @@ def exercise(metrics: WorkerMetrics) -> None:
     metrics.set_redis_up(True)
     metrics.inc_rule_violation("no_refund_promise")
     metrics.observe_gc(collected=120, seconds=0.0008)
+    metrics.observe_speculation(draft_tokens=40, accepted_tokens=30)
+    metrics.observe_step_tokens("asr", 4)
 
 
 def exposed_samples(registry: CollectorRegistry) -> dict[str, list]:
@@ -105,6 +107,10 @@ def test_observations_land_in_the_right_series():
     assert value(s, "infinilm_gc_collected_objects_total") == 120
     assert value(s, "infinilm_gc_pause_seconds_bucket", le="0.001") == 1
     assert value(s, "infinilm_gc_pause_seconds_bucket", le="0.0005") == 0
+    assert value(s, "infinilm_spec_acceptance_rate") == pytest.approx(0.75)
+    assert value(s, "infinilm_spec_accepted_tokens_total") == 30
+    assert value(s, "infinilm_spec_tokens_per_step_bucket", kind="asr", le="4.0") == 1
+    assert value(s, "infinilm_spec_tokens_per_step_bucket", kind="asr", le="3.0") == 0
     info = value(s, "infinilm_worker_info", worker_id="worker-0", model="smollm2", version="0.1.0")
     assert info == 1
 

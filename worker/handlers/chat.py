@@ -18,7 +18,8 @@ from worker.handlers import HandlerContext, Prepared, Work
 from worker.rules import STRICT_LINE, RuleError, RuleSet
 
 
-def sampling_params_for(req: ChatRequest, *, banned: tuple[str, ...] = (), deterministic: bool = False) -> SamplingParams:
+def sampling_params_for(req: ChatRequest, *, banned: tuple[str, ...] = (), deterministic: bool = False,
+                        speculative: bool = False) -> SamplingParams:
     return SamplingParams(
         max_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -29,6 +30,7 @@ def sampling_params_for(req: ChatRequest, *, banned: tuple[str, ...] = (), deter
         stop=req.stop_list,
         banned_phrases=banned,
         deterministic=deterministic,
+        speculative=speculative,
     )
 
 
@@ -76,7 +78,8 @@ class ChatHandler:
         token_ids = encode_chat(messages, ctx)
         check_length(token_ids, ctx)
         deterministic = req.deterministic if req.deterministic is not None else ctx.config.execution.deterministic
-        params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic)
+        params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic,
+                                     speculative=ctx.config.speculative.chat)
         # A repair attempt streams nothing: the first attempt's deltas were already sent.
         return Work(token_ids, params, stream=req.stream and state.attempt == 0)
 
