@@ -101,7 +101,8 @@ class ModelRunner:
         if started is not None:
             started.record()
         with batch_invariant(invariant):
-            if self.graphs is not None and not prefills and not invariant and self.graphs.can_run(len(decodes)):
+            if (self.graphs is not None and not prefills and not invariant
+                    and self.graphs.can_run(meta.num_decodes)):
                 hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                          meta.decode_seq_lens)
             else:
@@ -198,6 +199,9 @@ class ModelRunner:
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
         slot_chunks: list[np.ndarray] = []
+        drafts = any(s.num_draft for s in decodes)
+        if drafts:  # a drafted request's rows are decode rows of one sequence (engine/speculative.py)
+            decodes = [_DecodeRow(s, j) for s in decodes for j in range(len(s.token_ids))]
         nd = len(decodes)
         if nd:
             starts = np.fromiter((s.start for s in decodes), dtype=np.int64, count=nd)
@@ -226,6 +230,7 @@ class ModelRunner:
             slot_mapping=self._upload(np.concatenate(slot_chunks)),
             num_decodes=nd,
             prefills=spans,
+            multi_row_decodes=drafts,
         )
         if nd:
             seq_lens = [s.start + 1 for s in decodes]
@@ -259,3 +264,13 @@ class ModelRunner:
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A step input on the device, copied without waiting for the steps queued before it."""
         return to_device(array, self.device)
+
+
+class _DecodeRow:
+    """Row j of a drafted decode: its token at row start + j, seeing the rows before it."""
+
+    __slots__ = ("block_table", "request_id", "start", "token_ids")
+
+    def __init__(self, s: ScheduledRequest, j: int) -> None:
+        self.request_id, self.block_table = s.request_id, s.block_table
+        self.start, self.token_ids = s.start + j, s.token_ids[j:j + 1]

@@ -55,7 +55,9 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start > 0 and self.mask.is_causal
+        """One row per known token, each attending to the rows before it: a plain decode, or the last token
+        and its draft (several decode rows of one sequence)."""
+        return len(self.token_ids) == 1 + self.num_draft and self.start > 0 and self.mask.is_causal
 
 
 @dataclass

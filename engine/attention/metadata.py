@@ -93,6 +93,10 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # An int8 KV cache's full-precision window of recent rows (kv_fp_window > 0), else None.
     kv_window: KVWindowMetadata | None = None
+    # NOTE: a speculative draft's rows are decode rows of one sequence (row j sees rows <= its own); every
+    # backend writes the step's K/V rows before any decode row reads them, and the fused CPU decoder keeps
+    # such a step's rows in one group so that holds there too.
+    multi_row_decodes: bool = False
     # What a backend derives from this metadata once per step and reuses in every layer (the GPU
     # backends' launch tables), by backend name.
     backend_cache: dict[str, object] = field(default_factory=dict)

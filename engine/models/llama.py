@@ -302,7 +302,8 @@ class LlamaForCausalLM(nn.Module):
             x.contiguous(), self._fused_decode, values, scales, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach(),
-            token_table if token_table is not None else _EMPTY, self.decode_split_rows)
+            token_table if token_table is not None else _EMPTY,
+            self.decode_split_rows if not meta.multi_row_decodes else 1 << 30)
 
     @staticmethod
     def layer_linears(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:

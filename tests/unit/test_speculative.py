@@ -136,6 +136,17 @@ def test_greedy_with_drafts_small_budget_mixes_prefill_chunks_and_drafts(tiny_ll
     assert_same_greedy(baseline, outs)
 
 
+def test_greedy_with_drafts_through_the_one_call_decoder(tiny_llama, baseline, decode_layers_calls):
+    # Packed weights run decode-only steps in one C++ call; split_rows 1 would give each thread its own rows,
+    # which a draft's rows (reading each other's K/V) must not be.
+    outs, engine = generate(tiny_llama, copy_prompts(), GREEDY, num_kv_blocks=256, cpu_prepack_weights=True,
+                            cpu_decode_split_rows=1, **SPEC)
+    assert engine.last_stats.spec_accepted_tokens > 0
+    if engine.model._fused_decode is not None:
+        assert max(decode_layers_calls) > len(copy_prompts())  # drafted rows went through it
+    assert_same_greedy(baseline, outs)
+
+
 def test_greedy_with_drafts_with_int8_kv_and_a_bidirectional_chunk(tiny_llama):
     prompts = copy_prompts()[:3]
     masks = [MaskSpec("chunk_bidirectional", start=4, end=30), MaskSpec(), MaskSpec("chunk_bidirectional", 2, 9)]

@@ -1,0 +1,165 @@
+"""Speculative decoding (prompt lookup) on and off, on the workloads where drafts hit and where they do not.
+
+    .venv/bin/python -m bench.speculative            # SmolLM2-135M fp32, every workload
+    .venv/bin/python -m bench.speculative --quick    # fewer requests, to check the script
+
+Three workloads, one request at a time (a single stream, as an ASR stream's chunks arrive):
+- ASR post-correction: the ASR handler's own prompt (worker/handlers/asr.py: instruction, the transcript
+  so far, the new chunk) and sampling parameters; the correction mostly copies the chunk.
+- document quoting: a chat that asks to quote a passage of a document given in the prompt.
+- plain chat: open questions, where drafts rarely hit.
+Two engines in one process, the same but for `speculative_method` (prompt_lookup, k = 4, n 4..2); for each
+request the two run back to back, so a load change on the host hits both arms alike. Decode tok/s counts the
+tokens after the first over the time after the first (the prefill is the same in both arms); tokens per step
+is the same count over the decode steps. Greedy outputs must be identical between the arms.
+
+Writes bench/results/speculative.json and its section of docs/perf/speculative.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from bench.report import PERF, publish_table, run_info, write_json
+from bench.workloads import TRANSCRIPT
+from engine import LLM, SamplingParams
+from worker.handlers.asr import CHUNK_MARK, INSTRUCTION
+
+DOCUMENT = (
+    "The Lighthouse Keepers' Act of 1889 required every coastal light to be tended by two keepers working "
+    "alternate watches of six hours. Keepers logged the weather, passing ships and the state of the lamp at "
+    "the end of each watch. The act also set a minimum supply of ninety days of oil and food at every "
+    "station, because winter storms could cut off a rock lighthouse for weeks. In 1923 an amendment allowed "
+    "a single keeper at lights within sight of a town, provided a signal lamp could summon help. The last "
+    "manned light on the coast was automated in 1987, and its final log entry reads: lamp lit, sea calm, "
+    "no ships, all well."
+)
+QUOTE_QUESTIONS = [
+    "Quote, word for word, the sentence about the supply of oil and food.",
+    "Quote the sentence about the 1923 amendment exactly as written.",
+    "Copy the first two sentences of the document verbatim.",
+    "Repeat the final log entry exactly, with the sentence that introduces it.",
+    "Quote the sentence that says what keepers logged.",
+    "Copy the whole document verbatim.",
+]
+CHAT_QUESTIONS = [
+    "Write a short poem about autumn leaves.",
+    "Give three tips for learning a new language.",
+    "Why is the sky blue? Explain briefly.",
+    "Invent a name and a slogan for a coffee shop run by cats.",
+    "What should I pack for a weekend hiking trip?",
+    "Describe a sunrise over the ocean in a few sentences.",
+]
+SPEC = dict(speculative_method="prompt_lookup", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+
+
+def asr_requests(tok, n: int) -> list[tuple[list[int], SamplingParams]]:
+    """The ASR handler's prompts for a stream's first n chunks (committed text: the raw chunks before)."""
+    words = TRANSCRIPT.split()
+    out = []
+    for i in range(n):
+        chunk = " ".join(words[i * 12:(i + 1) * 12])
+        committed = " ".join(words[max(0, i - 3) * 12:i * 12])
+        messages = [{"role": "system", "content": INSTRUCTION},
+                    {"role": "user", "content": f"Transcript so far: {committed}\nNew chunk: {CHUNK_MARK}"}]
+        head, _, tail = tok.apply_chat_template(messages).partition(CHUNK_MARK)
+        ids = [*tok.encode(head, add_special_tokens=False), *tok.encode(chunk, add_special_tokens=False),
+               *tok.encode(tail, add_special_tokens=False)]
+        chunk_tokens = len(tok.encode(chunk, add_special_tokens=False))
+        out.append((ids, SamplingParams(max_tokens=2 * chunk_tokens + 16, temperature=0.0, stop=("\n",))))
+    return out
+
+
+def chat_requests(tok, questions: list[str], document: str | None, max_tokens: int):
+    out = []
+    for q in questions:
+        content = f"Document:\n{document}\n\n{q}" if document else q
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]), add_special_tokens=False)
+        out.append((ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    return out
+
+
+def run_one(llm: LLM, prompt: list[int], params: SamplingParams) -> dict:
+    """One request alone: its tokens, and the time and steps after its first token."""
+    engine = llm.engine
+    before = engine.last_stats
+    draft0, accepted0 = before.spec_draft_tokens, before.spec_accepted_tokens
+    engine.add_request("bench", prompt, params)
+    first_at, steps, final = None, 0, None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first_at is None:
+            first_at = time.perf_counter()
+        else:
+            steps += 1
+        final = next((o for o in outs if o.finished), final)
+    end = time.perf_counter()
+    stats = engine.last_stats
+    return {"tokens": final.token_ids, "decode_tokens": len(final.token_ids) - 1, "decode_s": end - first_at,
+            "decode_steps": steps, "draft": stats.spec_draft_tokens - draft0,
+            "accepted": stats.spec_accepted_tokens - accepted0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two requests per workload")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over each workload's requests")
+    args = ap.parse_args()
+    n = 2 if args.quick else 6
+    repeats = 1 if args.quick else args.repeats
+    arms = {"off": LLM(model=args.model, dtype="float32"), "on": LLM(model=args.model, dtype="float32", **SPEC)}
+    tok = arms["off"].tokenizer
+    workloads = {
+        "ASR post-correction": asr_requests(tok, n),
+        "document quoting": chat_requests(tok, QUOTE_QUESTIONS[:n], DOCUMENT, 96),
+        "plain chat": chat_requests(tok, CHAT_QUESTIONS[:n], None, 96),
+    }
+    for llm in arms.values():  # warm-up: kernels, caches, first-call costs
+        run_one(llm, *workloads["plain chat"][0])
+    results: dict[str, dict] = {}
+    for name, requests in workloads.items():
+        totals = {arm: {"decode_tokens": 0, "decode_s": 0.0, "decode_steps": 0, "draft": 0, "accepted": 0}
+                  for arm in arms}
+        identical = True
+        for _ in range(repeats):
+            for prompt, params in requests:
+                runs = {}
+                for arm, llm in arms.items():
+                    llm.engine.block_manager.reset_prefix_cache()  # each request prefills its prompt in full
+                    runs[arm] = run_one(llm, prompt, params)
+                    for key in totals[arm]:
+                        totals[arm][key] += runs[arm][key]
+                identical &= runs["on"]["tokens"] == runs["off"]["tokens"]
+        results[name] = {"requests": len(requests) * repeats, "greedy_identical": identical, "arms": totals}
+
+    rows = []
+    for name, r in results.items():
+        off, on = r["arms"]["off"], r["arms"]["on"]
+        tps_off, tps_on = off["decode_tokens"] / off["decode_s"], on["decode_tokens"] / on["decode_s"]
+        r["decode_tok_s"] = {"off": tps_off, "on": tps_on}
+        r["speedup"] = tps_on / tps_off
+        r["tokens_per_step"] = on["decode_tokens"] / max(on["decode_steps"], 1)
+        r["acceptance_rate"] = on["accepted"] / on["draft"] if on["draft"] else 0.0
+        rows.append((name, r["requests"], on["decode_tokens"] // repeats, f"{tps_off:.1f}", f"{tps_on:.1f}",
+                     f"{r['speedup']:.2f}x", f"{r['tokens_per_step']:.2f}", f"{r['acceptance_rate']:.2f}",
+                     "yes" if r["greedy_identical"] else "NO"))
+    data = {**run_info("bench.speculative", torch.get_num_threads()), "model": args.model, "spec": SPEC,
+            "workloads": results}
+    write_json("speculative.json", data)
+    how = (f"{args.model} fp32, one request at a time, speculation off and on back to back per request "
+           "(prompt_lookup, k = 4, n 4..2). Decode tok/s: tokens after the first over the time after the first.")
+    headers = ["workload", "requests", "tokens", "decode tok/s off", "decode tok/s on", "on/off",
+               "tokens/step (on)", "acceptance", "greedy identical"]
+    publish_table("speculative", "Speculative decoding: prompt lookup on and off", data, how,
+                  "Speculative decoding (prompt lookup)", headers, rows, docs=PERF / "speculative.md")
+
+
+if __name__ == "__main__":
+    main()
