@@ -4,8 +4,10 @@
     .venv/bin/python -m bench.speculative --quick    # fewer requests, to check the script
 
 Three workloads, one request at a time (a single stream, as an ASR stream's chunks arrive):
-- ASR post-correction: the ASR handler's own prompt (worker/handlers/asr.py: instruction, the transcript
-  so far, the new chunk) and sampling parameters; the correction mostly copies the chunk.
+- ASR post-correction: a recogniser's chunk (cased and punctuated, with a few misheard words) and an
+  instruction to correct it; the correction mostly copies the chunk. SmolLM2-135M does not follow the ASR
+  handler's own template (worker/handlers/asr.py) this way: it answers "Here's the transcript ..." and stops
+  at the newline; that template is the second row, with the handler's sampling parameters.
 - document quoting: a chat that asks to quote a passage of a document given in the prompt.
 - plain chat: open questions, where drafts rarely hit.
 Two engines in one process, the same but for `speculative_method` (prompt_lookup, k = 4, n 4..2); for each
@@ -27,10 +29,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from bench.report import PERF, publish_table, run_info, write_json
-from bench.workloads import TRANSCRIPT
 from engine import LLM, SamplingParams
 from worker.handlers.asr import CHUNK_MARK, INSTRUCTION
 
+# A meeting as a recogniser with casing and punctuation would write it, with a few words misheard.
+ASR_CHUNKS = [
+    "Okay, so let's get started. The meeting is moved to Tuesday at ten thirty in the main conference room, "
+    "so please bring the budget report and the slides for the quarterly review with the finance team.",
+    "We need to talk about the hiring plan for the next quarter and the new office in Berlin, which opens in "
+    "Jun. The lease was signed last week for three years, and the rent is forty two thousand euros a year.",
+    "Next item: the customer survey came back with an average score of eight point one, which is up from seven "
+    "point six last year. Most complaints were about shipping times to the UK.",
+    "So logistics will present a plan on Thursday. Any questions? No? Okay, then let's move on to marketing, "
+    "where the spring campaign starts in three weeks and the budget is still not final.",
+    "The agency sent two drafts of the new logo, and I think the blue one works better on the website, but we "
+    "should ask the sales team before we decide, since they talk to the customers every day.",
+    "Last thing from me: the office will be closed on the first of May, and the servers will be moved that "
+    "weekend, so please save your work and log off before you leave on Friday evening.",
+]
 DOCUMENT = (
     "The Lighthouse Keepers' Act of 1889 required every coastal light to be tended by two keepers working "
     "alternate watches of six hours. Keepers logged the weather, passing ships and the state of the lamp at "
@@ -60,12 +76,21 @@ SPEC = dict(speculative_method="prompt_lookup", num_speculative_tokens=4, prompt
 
 
 def asr_requests(tok, n: int) -> list[tuple[list[int], SamplingParams]]:
-    """The ASR handler's prompts for a stream's first n chunks (committed text: the raw chunks before)."""
-    words = TRANSCRIPT.split()
+    """Correct-this-chunk prompts for a stream's first n chunks."""
     out = []
-    for i in range(n):
-        chunk = " ".join(words[i * 12:(i + 1) * 12])
-        committed = " ".join(words[max(0, i - 3) * 12:i * 12])
+    for chunk in ASR_CHUNKS[:n]:
+        content = f"Rewrite this speech transcript with correct capitalization and punctuation. Keep every word.\n\n{chunk}"
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]), add_special_tokens=False)
+        chunk_tokens = len(tok.encode(chunk, add_special_tokens=False))
+        out.append((ids, SamplingParams(max_tokens=2 * chunk_tokens + 16, temperature=0.0)))
+    return out
+
+
+def asr_handler_requests(tok, n: int) -> list[tuple[list[int], SamplingParams]]:
+    """The ASR handler's prompts and sampling parameters for a stream's first n chunks."""
+    out = []
+    for i, chunk in enumerate(ASR_CHUNKS[:n]):
+        committed = " ".join(ASR_CHUNKS[max(0, i - 2):i])
         messages = [{"role": "system", "content": INSTRUCTION},
                     {"role": "user", "content": f"Transcript so far: {committed}\nNew chunk: {CHUNK_MARK}"}]
         head, _, tail = tok.apply_chat_template(messages).partition(CHUNK_MARK)
@@ -110,7 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two requests per workload")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--repeats", type=int, default=2, help="passes over each workload's requests")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each request per arm; the fastest counts")
     args = ap.parse_args()
     n = 2 if args.quick else 6
     repeats = 1 if args.quick else args.repeats
@@ -118,6 +143,7 @@ def main() -> None:
     tok = arms["off"].tokenizer
     workloads = {
         "ASR post-correction": asr_requests(tok, n),
+        "ASR, the handler's template": asr_handler_requests(tok, n),
         "document quoting": chat_requests(tok, QUOTE_QUESTIONS[:n], DOCUMENT, 96),
         "plain chat": chat_requests(tok, CHAT_QUESTIONS[:n], None, 96),
     }
@@ -128,16 +154,20 @@ def main() -> None:
         totals = {arm: {"decode_tokens": 0, "decode_s": 0.0, "decode_steps": 0, "draft": 0, "accepted": 0}
                   for arm in arms}
         identical = True
-        for _ in range(repeats):
-            for prompt, params in requests:
-                runs = {}
+        for prompt, params in requests:
+            best: dict[str, dict] = {}
+            # Arms alternate run by run and each keeps its fastest run: the host's load moves within seconds.
+            for _ in range(repeats):
                 for arm, llm in arms.items():
-                    llm.engine.block_manager.reset_prefix_cache()  # each request prefills its prompt in full
-                    runs[arm] = run_one(llm, prompt, params)
-                    for key in totals[arm]:
-                        totals[arm][key] += runs[arm][key]
-                identical &= runs["on"]["tokens"] == runs["off"]["tokens"]
-        results[name] = {"requests": len(requests) * repeats, "greedy_identical": identical, "arms": totals}
+                    llm.engine.block_manager.reset_prefix_cache()  # each run prefills its prompt in full
+                    run = run_one(llm, prompt, params)
+                    if arm not in best or run["decode_s"] < best[arm]["decode_s"]:
+                        best[arm] = run
+            for arm in arms:
+                for key in totals[arm]:
+                    totals[arm][key] += best[arm][key]
+            identical &= best["on"]["tokens"] == best["off"]["tokens"]
+        results[name] = {"requests": len(requests), "greedy_identical": identical, "arms": totals}
 
     rows = []
     for name, r in results.items():
@@ -147,14 +177,15 @@ def main() -> None:
         r["speedup"] = tps_on / tps_off
         r["tokens_per_step"] = on["decode_tokens"] / max(on["decode_steps"], 1)
         r["acceptance_rate"] = on["accepted"] / on["draft"] if on["draft"] else 0.0
-        rows.append((name, r["requests"], on["decode_tokens"] // repeats, f"{tps_off:.1f}", f"{tps_on:.1f}",
+        rows.append((name, r["requests"], on["decode_tokens"], f"{tps_off:.1f}", f"{tps_on:.1f}",
                      f"{r['speedup']:.2f}x", f"{r['tokens_per_step']:.2f}", f"{r['acceptance_rate']:.2f}",
                      "yes" if r["greedy_identical"] else "NO"))
     data = {**run_info("bench.speculative", torch.get_num_threads()), "model": args.model, "spec": SPEC,
             "workloads": results}
     write_json("speculative.json", data)
-    how = (f"{args.model} fp32, one request at a time, speculation off and on back to back per request "
-           "(prompt_lookup, k = 4, n 4..2). Decode tok/s: tokens after the first over the time after the first.")
+    how = (f"{args.model} fp32, one request at a time, speculation off and on alternating, {repeats} runs of each "
+           "request per arm, the fastest counting (prompt_lookup, k = 4, n 4..2). Decode tok/s: tokens after the "
+           "first over the time after the first.")
     headers = ["workload", "requests", "tokens", "decode tok/s off", "decode tok/s on", "on/off",
                "tokens/step (on)", "acceptance", "greedy identical"]
     publish_table("speculative", "Speculative decoding: prompt lookup on and off", data, how,

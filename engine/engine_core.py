@@ -324,7 +324,7 @@ class EngineCore:
 
     def _stats(self, sched, step_time: float, finished_ids: list[str]) -> EngineStats:
         bm = self.block_manager
-        decodes = sum(1 for s in sched.scheduled if s.is_decode)
+        decodes = [s for s in sched.scheduled if s.is_decode]
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -336,8 +336,8 @@ class EngineCore:
             step_num_tokens=sched.num_scheduled_tokens,
             step_num_seqs=len(sched.scheduled),
             step_token_budget=self.config.max_num_batched_tokens,
-            step_prefill_tokens=sched.num_scheduled_tokens - decodes,
-            step_decode_seqs=decodes,
+            step_prefill_tokens=sched.num_scheduled_tokens - sum(len(s.token_ids) for s in decodes),
+            step_decode_seqs=len(decodes),
             step_time_s=step_time,
             steps_total=self._steps,
             finished_ids=finished_ids,
