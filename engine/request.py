@@ -57,6 +57,8 @@ class Request:
         self.first_token_time: float | None = None
         self.banned_sequences: tuple[tuple[int, ...], ...] = ()  # token forms of params.banned_phrases
         self.generator: torch.Generator | None = None
+        # Speculative decoding: the most draft tokens the next step may verify (None: the engine's k).
+        self.draft_limit: int | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)
 

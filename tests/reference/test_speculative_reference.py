@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.speculative import ASR_CHUNKS, CHAT_QUESTIONS, DOCUMENT, QUOTE_QUESTIONS, asr_requests, chat_requests
+from bench.speculative import (
+    ASR_CHUNKS,
+    CHAT_QUESTIONS,
+    DOCUMENT,
+    QUOTE_QUESTIONS,
+    asr_requests,
+    chat_requests,
+)
 from engine import LLM, SamplingParams
 from tests.unit.test_speculative import assert_same_greedy
 

@@ -226,6 +226,7 @@ def test_request_tokens_hold_no_draft_between_steps(tiny_llama):
             assert req.token_ids == req.prompt_token_ids + emitted
             assert req.num_computed_tokens == req.num_tokens - 1
             assert req.num_registered_blocks <= req.num_computed_tokens // 8
+    assert req.draft_limit == 1  # drafts that keep failing shrink to one token
 
 
 # ---- sampling: the same distribution ------------------------------------------
