@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench.report import PERF, publish_table, run_info, write_json
+from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from engine import LLM, SamplingParams
 from worker.handlers.asr import CHUNK_MARK, INSTRUCTION
 
@@ -131,15 +131,45 @@ def run_one(llm: LLM, prompt: list[int], params: SamplingParams) -> dict:
             "accepted": stats.spec_accepted_tokens - accepted0}
 
 
+class FixedDraft:
+    """Drafts `k` copies of one token: verification rejects them, so every step computes 1 + k rows."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        return [5] * min(self.k, max_tokens)
+
+
+def step_cost(llm: LLM, prompt: list[int], rounds: int) -> dict[int, float]:
+    """Milliseconds of a single stream's decode step by the drafted rows it verifies (fastest of `rounds`)."""
+    engine, proposer = llm.engine, llm.engine.scheduler.proposer
+    best: dict[int, float] = {}
+    for _ in range(rounds):
+        for k in (0, 1, 2, 4):
+            engine.scheduler.proposer = FixedDraft(k) if k else None
+            engine.add_request("cost", prompt, SamplingParams(max_tokens=33, temperature=0, ignore_eos=True))
+            engine.step()
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            best[k] = min(best.get(k, float("inf")), (time.perf_counter() - start) / 32 * 1000)
+    engine.scheduler.proposer = proposer
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two requests per workload")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each request per arm; the fastest counts")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 keeps a shared, loaded host's contention out of the arms")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each request per arm; the fastest counts")
     args = ap.parse_args()
     n = 2 if args.quick else 6
     repeats = 1 if args.quick else args.repeats
-    arms = {"off": LLM(model=args.model, dtype="float32"), "on": LLM(model=args.model, dtype="float32", **SPEC)}
+    opts = dict(model=args.model, dtype="float32", num_threads=args.threads)
+    arms = {"off": LLM(**opts), "on": LLM(**opts, **SPEC)}
     tok = arms["off"].tokenizer
     workloads = {
         "ASR post-correction": asr_requests(tok, n),
@@ -180,8 +210,16 @@ def main() -> None:
         rows.append((name, r["requests"], on["decode_tokens"], f"{tps_off:.1f}", f"{tps_on:.1f}",
                      f"{r['speedup']:.2f}x", f"{r['tokens_per_step']:.2f}", f"{r['acceptance_rate']:.2f}",
                      "yes" if r["greedy_identical"] else "NO"))
+    cost = step_cost(arms["on"], workloads["plain chat"][0][0], 2 if args.quick else 4)
+    cost_rows = [(f"1 + {k}", f"{ms:.2f}", f"{ms / cost[0]:.2f}x") for k, ms in cost.items()]
+    cost_table = ("rows a step computes", "ms a step", "of a plain decode step")
+    print_table("A single stream's decode step by the rows it verifies", list(cost_table), cost_rows)
+    extra = ("A drafted row costs compute, so a draft pays only where enough of it is accepted; the draft "
+             "length adapts per request (+2 after a fully accepted draft, -1 after a rejection). Step time by "
+             "rows (always-rejected drafts, the fastest of several rounds):\n\n"
+             + markdown_table("Decode step by rows", list(cost_table), cost_rows))
     data = {**run_info("bench.speculative", torch.get_num_threads()), "model": args.model, "spec": SPEC,
-            "workloads": results}
+            "workloads": results, "step_ms_by_draft_rows": cost}
     write_json("speculative.json", data)
     how = (f"{args.model} fp32, one request at a time, speculation off and on alternating, {repeats} runs of each "
            "request per arm, the fastest counting (prompt_lookup, k = 4, n 4..2). Decode tok/s: tokens after the "
@@ -189,7 +227,7 @@ def main() -> None:
     headers = ["workload", "requests", "tokens", "decode tok/s off", "decode tok/s on", "on/off",
                "tokens/step (on)", "acceptance", "greedy identical"]
     publish_table("speculative", "Speculative decoding: prompt lookup on and off", data, how,
-                  "Speculative decoding (prompt lookup)", headers, rows, docs=PERF / "speculative.md")
+                  "Speculative decoding (prompt lookup)", headers, rows, extra, docs=PERF / "speculative.md")
 
 
 if __name__ == "__main__":

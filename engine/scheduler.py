@@ -291,9 +291,9 @@ class Scheduler:
         """Append a drafted step's verified run, cut at the first token that stops the request."""
         self.num_draft_tokens += s.num_draft
         self.num_accepted_tokens += len(run) - 1
-        # Each drafted row costs compute (about a fifth of a decode step per row for SmolLM2 on a CPU:
-        # docs/perf/speculative.md), so the draft grows by 2 after a fully accepted one and shrinks by 1
-        # after a rejection, to 1 where drafts keep failing.
+        # Each drafted row costs compute (docs/perf/speculative.md has a step's time by its rows), so the
+        # draft grows by 2 after a fully accepted one and shrinks by 1 after a rejection, to 1 where drafts
+        # keep failing.
         limit = req.draft_limit or self.num_speculative_tokens
         req.draft_limit = (min(limit + 2, self.num_speculative_tokens) if len(run) - 1 == s.num_draft
                            else max(limit - 1, 1))
