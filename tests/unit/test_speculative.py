@@ -276,3 +276,21 @@ def test_sampled_tokens_keep_their_distribution(tiny_llama, sampling):
         stat, dof = chi_square_two_sample(plain, spec)
         # The 0.999 quantile of chi-square(dof) is below dof + 3.3 sqrt(2 dof) + 10 for these sizes.
         assert stat < dof + 3.3 * (2 * dof) ** 0.5 + 10, (stat, dof, plain.most_common(5), spec.most_common(5))
+
+
+# ---- configuration through the service ------------------------------------------
+
+def test_service_config_maps_speculation_into_the_engine_and_chat_opts_in():
+    from schemas import ChatRequest, Message
+    from worker.config import ConfigError, ServiceConfig, SpeculativeConfig
+    from worker.handlers.chat import sampling_params_for
+
+    engine = ServiceConfig(speculative=SpeculativeConfig(method="prompt_lookup", k=3, n=5, n_min=3)).engine_config()
+    assert (engine.speculative_method, engine.num_speculative_tokens, engine.prompt_lookup_max,
+            engine.prompt_lookup_min) == ("prompt_lookup", 3, 5, 3)
+    assert ServiceConfig().engine_config().speculative_method is None
+    with pytest.raises(ConfigError):
+        SpeculativeConfig(n=2, n_min=3)
+    req = ChatRequest(id="r", messages=[Message(role="user", content="hi")], max_tokens=8)
+    assert not sampling_params_for(req).speculative  # chat drafts only with speculative.chat: true
+    assert sampling_params_for(req, speculative=True).speculative
