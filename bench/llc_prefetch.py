@@ -206,7 +206,7 @@ def main() -> None:
         sys.exit("this probe needs an AVX-512 CPU (the panel kernel's tiles)")
     from bench.roofline import kv_bytes_per_token
     from bench.throughput import progress_bar
-    from engine.attention.cpu_paged import load_kernels
+    from engine.kernels.cpu_build import load_kernels
     from engine.model_registry import resolve_model
     from engine.models.config import ModelConfig
 

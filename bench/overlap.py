@@ -117,9 +117,9 @@ std::vector<double> overlap_probe(torch::Tensor buf, int64_t passes, int64_t gro
 def probe_module():
     from torch.utils.cpp_extension import load_inline
 
-    from engine.attention.cpu_paged import _build_flags
+    from engine.kernels.cpu_build import build_flags
 
-    flags = [*_build_flags(), "-ffp-contract=fast"]
+    flags = [*build_flags(), "-ffp-contract=fast"]
     return load_inline(name="infinilm_bench_overlap", cpp_sources=[_SOURCE], functions=["overlap_probe"],
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.cpu_kernels import cpu_kernels
+from engine.kernels.cpu_build import cpu_kernels
 
 MIN_ROWS = 8  # below this many rows a thread the split did not pay on any machine measured
 MAX_ROWS = 256  # the panel kernel's largest batch: from here on the split never applies

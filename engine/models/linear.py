@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu_build import cpu_kernels
 from engine.models.compact_weights import is_compact, pack_compact
-from engine.models.cpu_kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8

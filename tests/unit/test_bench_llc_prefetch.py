@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not avx512(), reason="the probe's tiles need an 
 
 
 def test_probe_gemms_compute_the_product_and_the_reads_sum_every_kv_float():
-    from engine.attention.cpu_paged import load_kernels
+    from engine.kernels.cpu_build import load_kernels
 
     ops, m = load_kernels(), probe_module()
     gen = torch.Generator().manual_seed(0)
