@@ -79,13 +79,13 @@ class EngineConfig:
     # each thread then streaming the whole weight for its rows (engine/models/decode_split.py). "auto": measured
     # at engine start (the fp32 GEMM rate against how fast the threads stream the packed weights, about 0.2 s):
     # 24-25 for fp32 panels on the Intel dev VM, where splitting below that made decode steps 0.82-0.99x as fast
-    # (bench.decode_split); the AMD VM measured the split 1.03-1.06x from 8 rows a thread (MIN_ROWS). An integer
+    # (bench.kernels.decode_split); the AMD VM measured the split 1.03-1.06x from 8 rows a thread (MIN_ROWS). An integer
     # >= 1 fixes it.
     cpu_decode_split_rows: int | str = "auto"
     # Prefills longer than this run each layer's MLP in chunks of this many tokens through one
     # preallocated workspace, adding into the residual in place (0: one pass, no workspace). No workspace
     # either where no step can be longer (max_num_batched_tokens). 2048: taller products than 512-row
-    # chunks, 1.07x faster prefill steps on the CPU (docs/BENCHMARKS.md, bench.activation_chunk).
+    # chunks, 1.07x faster prefill steps on the CPU (docs/BENCHMARKS.md, bench.kernels.activation_chunk).
     activation_chunk_rows: int = 2048
     attention_backend: str = "auto"
     num_threads: int | None = None

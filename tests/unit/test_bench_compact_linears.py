@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.kernels.cpu_build import cpu_kernels
 from engine.models import compact_weights as cw
 from engine.models import linear as lin
-from engine.models.cpu_kernels import cpu_kernels
 from tests.unit.test_compact_weights import gguf_roundtrip
 
 pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512")

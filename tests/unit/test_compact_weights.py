@@ -17,9 +17,9 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu_build import cpu_kernels
 from engine.models import compact_weights as cw
 from engine.models import linear as lin
-from engine.models.cpu_kernels import cpu_kernels
 from tests.conftest import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="compact panels run on the panel kernel, "
@@ -156,7 +156,7 @@ def test_engine_with_compact_panels_equals_fp32_panels_bitwise(tmp_path, cache_b
         linears = [m for m in model.modules() if isinstance(m, lin.Linear)]
         assert all(cw.is_compact(m.packed) == compact for m in linears)
         assert cw.is_compact(model.embed_tokens.packed_head) == compact  # the tied LM head (Q8_0)
-        assert model._fused_decode is not None
+        assert model.fused_decoder is not None
         outs[compact], packed[compact] = llm.generate(prompts, params), llm.engine.prepacked_bytes
     assert decode_layers_calls, "the decode-only steps must go through the one-call decoder"
     for a, b in zip(outs[False], outs[True], strict=True):
@@ -180,7 +180,7 @@ def test_auto_packs_only_the_weights_that_compact_panels_hold(tmp_path, decode_l
     assert llm.engine.config.cpu_prepack_weights == "auto"
     assert llm.engine.prepacked_bytes == 0
     assert all(m.packed is None for m in model.modules() if isinstance(m, lin.Linear))
-    assert model.embed_tokens.packed_head is None and model._fused_decode is None
+    assert model.embed_tokens.packed_head is None and model.fused_decoder is None
 
     gguf = write_tiny_model(tmp_path / "gguf", "llama", seed=7, hidden_size=128, intermediate_size=256, tie=True)
     quantize_model_weights(gguf, "Q4_1")
@@ -189,7 +189,7 @@ def test_auto_packs_only_the_weights_that_compact_panels_hold(tmp_path, decode_l
         llm = LLM(model=str(gguf), cpu_prepack_weights=prepack, **options)
         model = llm.engine.model
         assert all(cw.is_compact(m.packed) for m in model.modules() if isinstance(m, lin.Linear))
-        assert cw.is_compact(model.embed_tokens.packed_head) and model._fused_decode is not None
+        assert cw.is_compact(model.embed_tokens.packed_head) and model.fused_decoder is not None
         runs[prepack] = llm.engine.prepacked_bytes, llm.generate(prompts, params)
     assert decode_layers_calls
     assert runs["auto"][0] == runs[True][0] > 0
@@ -208,7 +208,7 @@ def test_packing_options_leave_a_quantized_model_alone(tmp_path, prepack):
     path = write_tiny_model(tmp_path / "m", "llama", seed=8, hidden_size=128, intermediate_size=256, tie=True)
     llm = LLM(model=str(path), dtype="float32", weight_bits=8, block_size=8, num_kv_blocks=64,
               cpu_prepack_weights=prepack)
-    assert llm.engine.prepacked_bytes == 0 and llm.engine.model._fused_decode is None
+    assert llm.engine.prepacked_bytes == 0 and llm.engine.model.fused_decoder is None
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 
@@ -242,7 +242,7 @@ def test_freed_plain_weights_are_rebuilt_where_a_path_needs_them(tmp_path, tie):
         assert all(m.weight.is_meta == free for m in linears)
         # An untied table has no packed copy to rebuild rows from, so it stays.
         assert model.embed_tokens.weight.is_meta == (free and tie)
-        assert model._fused_decode is not None
+        assert model.fused_decoder is not None
         held = linears + ([model.embed_tokens] if tie else [])
         runs[free] = (llm.generate(prompts, params), llm.generate(prompts[2:], invariant), llm.engine.weight_bytes,
                       sum(m.weight.numel() * 4 for m in held))

@@ -51,7 +51,7 @@ def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_on
         llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, cpu_prepack_weights=True)
         model, choice = llm.engine.model, llm.engine.decode_split
         assert choice is not None
-        assert model.decode_split_rows == choice.rows == decode_split.split_rows(
+        assert model.fused_decoder.split_rows == choice.rows == decode_split.split_rows(
             choice.gemm_gflops, choice.stream_gbps, choice.bytes_per_weight)
         # The layers' fp32 panels: 4 bytes a weight, more where out_features is padded to the panels' 32 columns.
         linears = model.decoder_linears()
@@ -61,7 +61,7 @@ def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_on
         torch.set_num_threads(1)  # nothing to split: nothing measured, the default kept
         llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, cpu_prepack_weights=True)
         assert llm.engine.decode_split is None
-        assert llm.engine.model.decode_split_rows == decode_split.MIN_ROWS
+        assert llm.engine.model.fused_decoder.split_rows == decode_split.MIN_ROWS
     finally:
         torch.set_num_threads(threads)
 
@@ -70,7 +70,7 @@ def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_on
 def test_stream_read_all_reads_every_byte_of_every_tensor():
     """With an odd number of threads the folded value is one thread's: the xor of every 8-byte word of each
     tensor's whole 256-byte chunks and of each byte after them."""
-    from engine.models.cpu_kernels import cpu_kernels
+    from engine.kernels.cpu_build import cpu_kernels
 
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (4096, 1000, 7)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
+from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 from engine.models.llama import MLP, RMSNorm
 from engine.models.rope import RotaryEmbedding
 

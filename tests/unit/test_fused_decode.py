@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu_build import cpu_kernels
 from engine.models import linear as lin
-from engine.models.cpu_kernels import cpu_kernels
 from tests.conftest import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel, "
@@ -52,14 +52,14 @@ def test_decode_steps_equal_the_layer_by_layer_path_bitwise(tmp_path, arch, opti
     path = write_tiny_model(tmp_path / arch, arch, seed=3, **options.pop("shape", {}))
     llm = engine_llm(path, cpu_prepack_weights=True, **options)
     model = llm.engine.model
-    assert model._fused_decode is not None
+    assert model.fused_decoder is not None
     fused = llm.generate(prompts(), PARAMS)
     assert counted and max(counted) > 1, "no batched decode-only step went through decode_layers"
-    weights, model._fused_decode = model._fused_decode, None
+    decoder, model.fused_decoder = model.fused_decoder, None
     calls = len(counted)
     layered = llm.generate(prompts(), PARAMS)
     assert len(counted) == calls, "the layer-by-layer run must not call decode_layers"
-    model._fused_decode = weights
+    model.fused_decoder = decoder
     for a, b in zip(fused, layered, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # exact floats: the same kernels in the same order
@@ -82,16 +82,16 @@ def test_steps_split_into_a_group_of_rows_per_thread_equal_the_layer_path_bitwis
     path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
     llm = engine_llm(path, cpu_prepack_weights=True, cpu_decode_split_rows=1, **options)
     model = llm.engine.model
-    assert model.decode_split_rows == 1 and llm.engine.decode_split is None  # fixed by the config: nothing measured
+    assert model.fused_decoder.split_rows == 1 and llm.engine.decode_split is None  # fixed by the config: nothing measured
     many = prompts(20)
     fused = llm.generate(many, PARAMS)
     assert counted and max(counted) >= 16, "no decode-only step of many rows went through decode_layers"
     # At these settings (2 threads, from 1 row a thread) a step of that many rows is cut into two groups.
     assert len(cpu_kernels().decode_row_groups(torch.full((max(counted),), 40), 2, 1000, 100, 1)) == 3
-    weights, model._fused_decode = model._fused_decode, None
+    decoder, model.fused_decoder = model.fused_decoder, None
     layered = llm.generate(many, PARAMS)
-    model._fused_decode = weights
-    model.decode_split_rows = 1 << 30  # never split: one group, every kernel sharing its rows over the threads
+    model.fused_decoder = decoder
+    decoder.split_rows = 1 << 30  # never split: one group, every kernel sharing its rows over the threads
     joint = llm.generate(many, PARAMS)
     for a, b, c in zip(fused, layered, joint, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids
@@ -141,7 +141,7 @@ def test_mixed_steps_and_batch_invariant_steps_take_the_layer_path(tiny_llama, c
 def test_not_enabled_where_it_would_compute_something_else(tmp_path, arch, options, counted):
     path = write_tiny_model(tmp_path / arch, arch, seed=4)
     llm = engine_llm(path, **options)
-    assert llm.engine.model._fused_decode is None
+    assert llm.engine.model.fused_decoder is None
     out = llm.generate(prompts(4), PARAMS)
     assert all(len(o.token_ids) == 12 for o in out)
     assert counted == []
@@ -150,7 +150,7 @@ def test_not_enabled_where_it_would_compute_something_else(tmp_path, arch, optio
 def test_an_int8_cache_with_a_full_precision_window_takes_the_layer_path(tiny_llama, counted):
     # The window's recent rows are read from an fp32 ring, which decode_layers does not do.
     llm = engine_llm(tiny_llama, cpu_prepack_weights=True, cache_bits=8, kv_fp_window=4)
-    assert llm.engine.model._fused_decode is not None
+    assert llm.engine.model.fused_decoder is not None
     out = llm.generate(prompts(4), PARAMS)
     assert all(len(o.token_ids) == 12 for o in out)
     assert counted == []
@@ -160,7 +160,7 @@ def test_bad_arguments_get_a_clear_error(tiny_llama):
     llm = engine_llm(tiny_llama, cpu_prepack_weights=True)
     model, engine = llm.engine.model, llm.engine
     cfg = model.config
-    weights = model._fused_decode
+    weights = model.fused_decoder.weights
     kv = engine.kv_caches
     x = torch.randn(1, cfg.hidden_size)
     tables, lens, pos = torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
@@ -212,8 +212,8 @@ def test_single_stream_bench_splits_each_decode_step_into_its_parts(tiny_llama):
     want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
     model = llm.engine.model
     calls = []
-    layers = model._fused_decode_layers
-    model._fused_decode_layers = lambda *a, **kw: calls.append(1) or layers(*a, **kw)
+    layers = model.fused_decoder.run_layers
+    model.fused_decoder.run_layers = lambda *a, **kw: calls.append(1) or layers(*a, **kw)
     clock = PhaseClock(model)
     r = one_round(llm, clock, prompt, 6)
     assert r["steps"] == 5 == len(calls)  # the prefill step is not a round's

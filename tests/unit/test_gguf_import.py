@@ -18,7 +18,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from engine import model_registry
-from engine.gguf_import import IMPORT_INFO_FILE, GGUFImportError, import_gguf, unpermute_rope_rows
+from engine.gguf_import.importer import IMPORT_INFO_FILE, import_gguf
+from engine.gguf_import.metadata import GGUFImportError
+from engine.gguf_import.weights import unpermute_rope_rows
 from engine.model_registry import ModelNotFoundError, prepare_model, resolve_model
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 4, 2, 64  # 256 columns: K-quant blocks need them

@@ -142,8 +142,8 @@ def test_the_engine_gives_the_same_tokens_with_its_kv_and_decode_weights_in_huge
         assert not carved(qkv.weight)
     else:
         assert carved(streamed) and huge_kib(streamed) > 0
-    if huge.engine.model._fused_decode is not None:  # the one-call decoder reads the moved copies
-        assert any(w.data_ptr() == qkv.packed.data_ptr() for w in huge.engine.model._fused_decode)
+    if huge.engine.model.fused_decoder is not None:  # the one-call decoder reads the moved copies
+        assert any(w.data_ptr() == qkv.packed.data_ptr() for w in huge.engine.model.fused_decoder.weights)
 
 
 @needs_thp

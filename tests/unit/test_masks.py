@@ -49,7 +49,8 @@ CASES = [(name, 0) for name in POLICIES] + [(name, 4) for name in POLICIES if na
 
 def backends():
     """The torch backend, and the CPU one (its own kernel for causal chunks) where the extension builds."""
-    from engine.attention.cpu_paged import CpuPagedAttentionBackend, kernels_available
+    from engine.attention.cpu_paged import CpuPagedAttentionBackend
+    from engine.kernels.cpu_build import kernels_available
 
     return [TorchAttentionBackend] + ([CpuPagedAttentionBackend] if kernels_available() else [])
 

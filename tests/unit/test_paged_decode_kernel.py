@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_paged import kernels_available, load_kernels
+from engine.kernels.cpu_build import kernels_available, load_kernels
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import hugepages
+from engine.kernels.cpu_build import cpu_kernels
 from engine.models import linear as lin
-from engine.models.cpu_kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512 and the CPU extension")
 

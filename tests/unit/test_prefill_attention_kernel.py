@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_paged import CpuPagedAttentionBackend, kernels_available, load_kernels
+from engine.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt8AttentionBackend
 from engine.attention.kv_int8 import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kernels.cpu_build import kernels_available, load_kernels
 from tests.unit.test_paged_decode_kernel import int8_cache
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")

@@ -185,8 +185,8 @@ def _fake_flash_attn(monkeypatch):
 def test_gpu_backends_match_the_torch_backend_on_a_mixed_step(backend, monkeypatch):
     """Decodes, a long fresh prompt (torch SDPA or flash varlen), a short fresh prompt, a chunk after a
     cached prefix and a masked chunk in one step, through every layer's cached launch plan."""
-    from engine.attention.backend import select_backend
     from engine.attention.metadata import AttentionMetadata
+    from engine.attention.selection import select_backend
 
     if backend == "flash_attn":
         _fake_flash_attn(monkeypatch)

@@ -37,7 +37,8 @@ def import_gguf_command(
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it already holds files."),
 ) -> None:
     """Convert a GGUF file (llama, qwen2, qwen3) into a Hugging Face folder: config, safetensors, tokenizer."""
-    from engine.gguf_import import GGUFImportError, console_progress, import_gguf
+    from engine.gguf_import.importer import console_progress, import_gguf
+    from engine.gguf_import.metadata import GGUFImportError
 
     try:
         with console_progress(f"importing {file.name}") as progress:
