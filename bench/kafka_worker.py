@@ -15,8 +15,8 @@ def worker_on_fresh_topics(model: str, name: str, **sections) -> Iterator[tuple]
     `infinilm worker` on them with the test harness's config updated by `sections`, and wait until
     it is ready. Yields (worker, topics, bootstrap servers); stops the worker and deletes the
     topics afterwards."""
+    from devstack import StackConfig, delete_topics, ensure_topics, stack_up
     from tests.integration.worker_harness import Topics, WorkerProcess, write_config
-    from worker.stack import StackConfig, delete_topics, ensure_topics, stack_up
 
     stack = StackConfig()
     stack_up(stack)
