@@ -5,7 +5,6 @@ and the benchmarks use the names below; stack.py describes the stack.
 """
 
 from devstack.config import DEFAULT_TOPICS, ServiceStatus, StackConfig, StackStatus
-from devstack.kafka import ensure_kafka_libs, kafka_version
 from devstack.kafka_admin import delete_topics, ensure_topics
 from devstack.processes import StackError
 from devstack.stack import stack_down, stack_status, stack_up
@@ -17,9 +16,7 @@ __all__ = [
     "StackError",
     "StackStatus",
     "delete_topics",
-    "ensure_kafka_libs",
     "ensure_topics",
-    "kafka_version",
     "stack_down",
     "stack_status",
     "stack_up",
