@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from worker.config import ConfigError, ServiceConfig
 from worker.kafka_clients import KafkaAccessError, check_kafka_access
-from worker.redis_state import RedisAuthError, RedisState
+from worker.state import RedisAuthError, RedisState
 
 # What check_access raises; each message names the cause and never a secret.
 ACCESS_ERRORS = (ConfigError, KafkaAccessError, RedisAuthError)

@@ -61,8 +61,8 @@ from worker.publisher import (
     TransactionalPublisher,
     fit_dead_letter,
 )
-from worker.redis_state import REDIS_OPS
 from worker.rules import RULE_KINDS
+from worker.state import REDIS_OPS
 
 log = structlog.get_logger("infinilm.worker")
 CONTENT_TYPE = {"json": b"application/json", "msgpack": b"application/msgpack"}
@@ -247,7 +247,7 @@ class Worker:
         self.stop()
 
     async def _start_redis(self) -> None:
-        from worker.redis_state import RedisState
+        from worker.state import RedisState
 
         rc = self.config.redis
         self.redis = RedisState(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from devstack.kafka import ensure_kafka_libs
 from tests.unit.test_wire_contract import ASR_ERROR_KEYS, ERROR_KEYS, result_keys_ok
-from worker.stack import ensure_kafka_libs
 
 pytestmark = pytest.mark.integration
 

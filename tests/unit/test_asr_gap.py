@@ -11,7 +11,7 @@ from schemas import AsrRequest
 from worker.config import load_config
 from worker.handlers import HandlerContext
 from worker.handlers.asr import AsrHandler
-from worker.redis_state import StreamState
+from worker.state import StreamState
 
 
 class StreamStore:

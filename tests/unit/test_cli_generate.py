@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from worker.cli import app
+from cli import app
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from worker.cli.config import register
+from cli.config import register
 from worker.config import (
     DEFAULT_RULES_TEMPLATE,
     AsrConfig,

@@ -577,7 +577,7 @@ def test_hf_folder_resolves_to_itself_and_unknown_names_list_aliases(imported, t
 def test_cli_model_commands(cache, tiny_gguf, tmp_path):
     from typer.testing import CliRunner
 
-    from worker.cli import app
+    from cli import app
 
     gguf_path = tiny_gguf.path
     runner = CliRunner()

@@ -23,8 +23,8 @@ import jsonschema
 import pytest
 import yaml
 
+from devstack import DEFAULT_TOPICS
 from worker.metrics import HISTOGRAM_NAMES, METRIC_NAMES
-from worker.stack import DEFAULT_TOPICS
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = REPO / "ops" / "prometheus"

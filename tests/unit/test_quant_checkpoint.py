@@ -10,12 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cli import app
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.kv_cache import bytes_per_block, plan_cache_layout
 from engine.models.config import ModelConfig
 from engine.quant.modules import Int4Linear, Int8Linear, QuantizedEmbedding
-from worker.cli import app
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
 PROMPTS = [[5, 40, 77, 120, 9, 33], [200, 3, 3, 18]]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.stack import StackConfig, _server_properties
-from worker.stack_security import (
+from devstack import StackConfig
+from devstack.kafka import server_properties
+from devstack.security import (
     SecurityError,
     ensure_tls_material,
     read_sasl_users_file,
@@ -30,7 +31,7 @@ def test_default_stack_is_unsecured_and_unchanged(tmp_path: Path) -> None:
     cfg = StackConfig(state_dir=tmp_path)
     assert cfg.sasl_users == () and cfg.kafka_tls_port is None and cfg.redis_password is None
     assert cfg.kafka_client_kwargs() == {}
-    props = _server_properties(cfg)
+    props = server_properties(cfg)
     assert "listeners=PLAINTEXT://127.0.0.1:9092,CONTROLLER://127.0.0.1:9093\n" in props
     assert "sasl" not in props
 

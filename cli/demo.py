@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _stack_up(cfg) -> None:
-    from worker.stack import StackConfig, stack_up
+    from devstack import StackConfig, stack_up
 
     with console.status("starting Kafka and Redis (the first run downloads Kafka from Maven Central)..."):
         status = stack_up(StackConfig(), progress=lambda msg: console.log(msg))
@@ -135,7 +135,7 @@ async def _demo(cfg, keep_stack: bool) -> None:
     console.print(f"all answered in {elapsed:.1f}s")
     await worker.shutdown()
     if not keep_stack:
-        from worker.stack import StackConfig, stack_down
+        from devstack import StackConfig, stack_down
 
         stack_down(StackConfig())
     else:

@@ -1,4 +1,4 @@
-"""`infinilm stack up|down|status`: the local Kafka + Redis stack (see worker/stack.py)."""
+"""`infinilm stack up|down|status`: the local Kafka + Redis stack (see devstack/)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker.stack import StackConfig, StackError, StackStatus, stack_down, stack_status, stack_up
-from worker.stack_security import read_sasl_users_file, read_secret_file
+from devstack import StackConfig, StackError, StackStatus, stack_down, stack_status, stack_up
+from devstack.security import read_sasl_users_file, read_secret_file
 
 STATE_DIR_HELP = (
     "Folder for the stack's data, logs and pid files. "

@@ -1,6 +1,6 @@
 """Security for a local stack: SCRAM users, a locally made TLS CA, and files that hold secrets.
 
-worker/stack.py calls these when a StackConfig asks for SASL users, a TLS port or
+The stack calls these when a StackConfig asks for SASL users, a TLS port or
 a Redis password. The default development stack asks for none of them and runs
 exactly as before.
 

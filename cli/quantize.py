@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from worker.cli.model import _fail
+from cli.model import _fail
 
 
 @contextmanager

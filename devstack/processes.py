@@ -1,4 +1,4 @@
-"""Processes of the local stack (worker/stack.py): detached starts, pid files, stopping,
+"""Processes of the local stack (devstack/stack.py): detached starts, pid files, stopping,
 waiting for a service to answer, and the state folder's lock."""
 
 from __future__ import annotations

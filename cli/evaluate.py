@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from worker.cli.model import _fail
+from cli.model import _fail
 
 
 def ppl_command(

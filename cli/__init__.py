@@ -18,16 +18,16 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-# Modules under worker/cli/ that define `register(app: typer.Typer) -> None`.
+# Modules of this package that define `register(app: typer.Typer) -> None`.
 _COMMAND_MODULES = ("model", "generate", "stack", "worker", "client", "demo", "quantize", "evaluate", "config")
 
 
 def _register_all() -> None:
     for name in _COMMAND_MODULES:
         try:
-            module = importlib.import_module(f"worker.cli.{name}")
+            module = importlib.import_module(f"cli.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name == f"worker.cli.{name}":
+            if exc.name == f"cli.{name}":
                 continue  # command group not built yet
             raise
         module.register(app)
