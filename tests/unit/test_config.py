@@ -13,18 +13,11 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from engine.settings import ModelSettings
 from worker.cli.config import register
-from worker.config import (
-    DEFAULT_RULES_TEMPLATE,
-    AsrConfig,
-    ConfigError,
-    ModelConfig,
-    Secret,
-    ServiceConfig,
-    load_config,
-    parse_bytes,
-    parse_duration,
-)
+from worker.config import ServiceConfig, load_config, parse_bytes, parse_duration
+from worker.config_sections import DEFAULT_RULES_TEMPLATE, AsrConfig
+from worker.config_types import ConfigError, Secret
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.yaml"
 PASSWORD = "s3cr3t-Hunter2"
@@ -85,7 +78,7 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path):
 def test_literal_choices_match_the_engine():
     from engine.config import DTYPES, MASK_POLICIES
 
-    assert get_args(get_type_hints(ModelConfig)["dtype"]) == ("auto", *DTYPES)
+    assert get_args(get_type_hints(ModelSettings)["dtype"]) == ("auto", *DTYPES)
     assert get_args(get_type_hints(AsrConfig)["mask_policy"]) == MASK_POLICIES
 
 

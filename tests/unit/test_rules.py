@@ -8,7 +8,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from schemas import ChatRequest, Message
-from worker.config import DEFAULT_RULES_TEMPLATE, load_config
+from worker.config import load_config
+from worker.config_sections import DEFAULT_RULES_TEMPLATE
 from worker.handlers import HandlerContext, Prepared
 from worker.handlers.chat import ChatHandler
 from worker.metrics import WorkerMetrics
