@@ -109,7 +109,7 @@ class MemorySettings(Settings):
     # decode step streams. "auto": the weights a decode step streams (each linear's packed copy, else its
     # weight, and the LM head's), spending at most WEIGHTS_HUGE_PAGE_BUDGET_S (engine_core.py) of engine
     # start finding the pages. true: those weights without a time bound, and the KV cache too, which can
-    # make engine start much slower for little decode gain. false: torch's 4 KiB pages.
+    # make engine start much slower for little decode gain (docs/perf/config-notes.md). false: 4 KiB pages.
     huge_pages: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:

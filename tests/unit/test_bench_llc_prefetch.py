@@ -7,7 +7,8 @@ import torch
 
 from bench.llc_prefetch import avx512, probe_module
 
-pytestmark = pytest.mark.skipif(not avx512(), reason="the probe's tiles need an AVX-512 CPU")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not avx512(), reason="the probe's tiles need an AVX-512 CPU")]
 
 
 def test_probe_gemms_compute_the_product_and_the_reads_sum_every_kv_float():

@@ -372,6 +372,24 @@ def test_engine_config_mapping(tmp_path):
             load_config(write(tmp_path, f"execution: {{cpu_decode_split_rows: {bad}}}\n"), env={})
 
 
+def test_engine_reads_the_service_sections_themselves(tmp_path):
+    from engine.config import ENGINE_NAMES, RENAMED, EngineConfig
+
+    text = "model: {name: /models/qwen, max_seq_len: 512}\nmemory: {kv_cache_bytes: 64MiB, block_size: 32}\n"
+    config = load_config(write(tmp_path, text), env={})
+    engine = config.engine_config()
+    for name, (group, key) in ENGINE_NAMES.items():
+        if group != "options":  # engine-only settings have no config.yaml key
+            assert getattr(engine, name) == getattr(getattr(config, group), key), name
+    assert (engine.model, engine.max_model_len, engine.kv_cache_memory_bytes) == ("/models/qwen", 512, 64 << 20)
+    assert set(RENAMED) <= set(ENGINE_NAMES)
+    # The same settings from keyword options, as the offline API takes them, make an equal config.
+    assert engine == EngineConfig(model="/models/qwen", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+                                  block_size=32)
+    with pytest.raises(AttributeError):
+        engine.block_size = 16  # type: ignore[misc]
+
+
 def test_worker_id_is_derived_not_stored():
     config = load_config(None, env={})
     assert config.worker.id is None

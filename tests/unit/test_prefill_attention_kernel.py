@@ -20,7 +20,8 @@ from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
 from tests.unit.test_paged_decode_kernel import int8_cache
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")]
 
 
 def cache(g, rows, kv_heads, head_dim, block_size, spare=4):

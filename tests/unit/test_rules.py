@@ -15,6 +15,9 @@ from worker.handlers.chat import ChatHandler
 from worker.metrics import WorkerMetrics
 from worker.rules import RuleError, RuleSet, parse_rule
 
+# Slow tier (loads SmolLM2): `ops/dev.sh test --fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 def test_rules_parse_into_kinds_and_prompt_lines():
     rs = RuleSet(["forbid: guaranteed returns", "forbid_regex: \\bSSN\\b", "format: json",
