@@ -10,6 +10,9 @@ import torch
 from bench.overlap import arm_medians, decode_bounds, factor_at, overlap_factors, probe
 from bench.roofline import FlopModel
 
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 ROWS = overlap_factors({
     1: {"stream": 4.0, "compute": 2.0, "both": 5.0},  # compute/stream 0.5, 1.25 over the longer
     2: {"stream": 4.0, "compute": 4.0, "both": 6.0},  # 1.0 -> 1.5
