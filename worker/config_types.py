@@ -55,7 +55,6 @@ class Secret:
         return hash((Secret, self._file))
 
 
-
 # Units are parsed before msgspec sees the data, so the fields hold plain floats and ints;
 # the Meta `extra["unit"]` tag is how the loader finds them (engine.settings.Bytes carries one too).
 Seconds = Annotated[float, msgspec.Meta(gt=0, extra={"unit": "seconds"})]
