@@ -14,7 +14,8 @@ import typer
 
 
 def _config(path: Path | None):
-    from worker.config import ConfigError, load_config
+    from worker.config import load_config
+    from worker.config_types import ConfigError
 
     try:
         return load_config(path)

@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 import yaml
 
-from worker.config import ConfigError, ServiceConfig, load_config
+from worker.config import ServiceConfig, load_config
+from worker.config_types import ConfigError
 
 _PATH_HELP = "The config.yaml to read; without it, the defaults. INFINILM__SECTION__KEY variables apply either way."
 

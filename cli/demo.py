@@ -28,7 +28,8 @@ def register(app: typer.Typer) -> None:
         config: Path | None = typer.Option(None, "--config", "-c", help="config.yaml for the worker."),
         keep_stack: bool = typer.Option(True, help="Leave Kafka and Redis running afterwards."),
     ) -> None:
-        from worker.config import ConfigError, load_config
+        from worker.config import load_config
+        from worker.config_types import ConfigError
 
         try:
             cfg = load_config(config)

@@ -29,7 +29,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         # No option takes a secret: command lines are visible to every user through `ps`.
         # Passwords come from the config's {file: ...} / {env: ...} or INFINILM__* variables.
-        from worker.config import ConfigError, load_config
+        from worker.config import load_config
+        from worker.config_types import ConfigError
 
         try:
             cfg = load_config(config)

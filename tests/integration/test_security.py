@@ -33,7 +33,8 @@ from devstack import StackConfig, StackError, ensure_topics, stack_down, stack_u
 from tests.integration.redis_server import free_port
 from tests.integration.worker_harness import Topics, WorkerProcess, chat, write_config
 from worker.client import RequestProducer, TopicReader, collect_results
-from worker.config import KafkaConfig, Secret
+from worker.config_sections import KafkaConfig
+from worker.config_types import Secret
 from worker.kafka_clients import KafkaAccessError, check_kafka_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -10,7 +10,8 @@ from engine.models import compact_weights as cw
 from engine.models import linear as lin
 from tests.unit.test_compact_weights import gguf_roundtrip
 
-pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512")]
 
 
 def test_compare_times_both_arms_and_stops_where_their_outputs_differ():

@@ -22,8 +22,9 @@ from engine.models import compact_weights as cw
 from engine.models import linear as lin
 from tests.conftest import write_tiny_model
 
-pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="compact panels run on the panel kernel, "
-                                "which needs AVX-512 and the CPU extension")
+# Slow tier (loads SmolLM2): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="compact panels run on the panel kernel, "
+                                "which needs AVX-512 and the CPU extension")]
 
 BLOCK = {"Q4_0": cw.SYM8_BLOCK, "Q4_1": cw.AFFINE4_BLOCK, "Q8_0": cw.SYM8_BLOCK}
 

@@ -14,17 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from cli.config import register
-from worker.config import (
-    DEFAULT_RULES_TEMPLATE,
-    AsrConfig,
-    ConfigError,
-    ModelConfig,
-    Secret,
-    ServiceConfig,
-    load_config,
-    parse_bytes,
-    parse_duration,
-)
+from engine.settings import ModelSettings
+from worker.config import ServiceConfig, load_config, parse_bytes, parse_duration
+from worker.config_sections import DEFAULT_RULES_TEMPLATE, AsrConfig
+from worker.config_types import ConfigError, Secret
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.yaml"
 PASSWORD = "s3cr3t-Hunter2"
@@ -85,7 +78,7 @@ def test_empty_file_and_empty_sections_mean_defaults(tmp_path):
 def test_literal_choices_match_the_engine():
     from engine.config import DTYPES, MASK_POLICIES
 
-    assert get_args(get_type_hints(ModelConfig)["dtype"]) == ("auto", *DTYPES)
+    assert get_args(get_type_hints(ModelSettings)["dtype"]) == ("auto", *DTYPES)
     assert get_args(get_type_hints(AsrConfig)["mask_policy"]) == MASK_POLICIES
 
 
@@ -377,6 +370,24 @@ def test_engine_config_mapping(tmp_path):
     for bad in ("0", "sometimes"):
         with pytest.raises(ConfigError, match="cpu_decode_split_rows"):
             load_config(write(tmp_path, f"execution: {{cpu_decode_split_rows: {bad}}}\n"), env={})
+
+
+def test_engine_reads_the_service_sections_themselves(tmp_path):
+    from engine.config import ENGINE_NAMES, RENAMED, EngineConfig
+
+    text = "model: {name: /models/qwen, max_seq_len: 512}\nmemory: {kv_cache_bytes: 64MiB, block_size: 32}\n"
+    config = load_config(write(tmp_path, text), env={})
+    engine = config.engine_config()
+    for name, (group, key) in ENGINE_NAMES.items():
+        if group != "options":  # engine-only settings have no config.yaml key
+            assert getattr(engine, name) == getattr(getattr(config, group), key), name
+    assert (engine.model, engine.max_model_len, engine.kv_cache_memory_bytes) == ("/models/qwen", 512, 64 << 20)
+    assert set(RENAMED) <= set(ENGINE_NAMES)
+    # The same settings from keyword options, as the offline API takes them, make an equal config.
+    assert engine == EngineConfig(model="/models/qwen", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+                                  block_size=32)
+    with pytest.raises(AttributeError):
+        engine.block_size = 16  # type: ignore[misc]
 
 
 def test_worker_id_is_derived_not_stored():

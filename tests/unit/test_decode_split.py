@@ -12,6 +12,9 @@ from engine.models import decode_split
 from engine.models import linear as lin
 from tests.conftest import write_tiny_model
 
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 def test_split_rows_is_where_a_threads_gemms_stay_compute_bound_on_their_own_weight_stream():
     # rows = ceil(bytes per weight x GFLOP/s / (2 x GB/s)), within [MIN_ROWS, MAX_ROWS].

@@ -16,7 +16,8 @@ from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 from engine.models.llama import MLP, RMSNorm
 from engine.models.rope import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU extension could not be built here")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_kernels() is None, reason="the CPU extension could not be built here")]
 G = torch.Generator().manual_seed(0)
 
 

@@ -13,6 +13,9 @@ from engine import LLM, SamplingParams, hugepages
 from engine.models import linear as linear_module
 from engine.models.linear import Linear, is_panel_packed
 
+# Slow tier (loads SmolLM2): `ops/dev.sh test --fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="this host gives no transparent huge pages")
 
 

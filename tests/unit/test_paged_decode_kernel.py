@@ -13,7 +13,8 @@ import torch
 
 from engine.kernels.cpu_build import kernels_available, load_kernels
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")]
 
 
 def reference(q, kv, tables, lens, scale):

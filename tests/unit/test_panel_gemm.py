@@ -14,7 +14,8 @@ from engine import hugepages
 from engine.kernels.cpu_build import cpu_kernels
 from engine.models import linear as lin
 
-pytestmark = pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512 and the CPU extension")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512 and the CPU extension")]
 
 
 def reference(x, w, b=None):

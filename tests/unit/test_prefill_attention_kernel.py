@@ -21,7 +21,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu_build import kernels_available, load_kernels
 from tests.unit.test_paged_decode_kernel import int8_cache
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")
+# Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")]
 
 
 def cache(g, rows, kv_heads, head_dim, block_size, spare=4):

@@ -111,7 +111,8 @@ def test_max_cache_ratio_bounds_the_pool_and_int8_fits_more_blocks():
 
 
 def test_worker_config_maps_quantization_and_memory_keys(tmp_path):
-    from worker.config import ConfigError, load_config
+    from worker.config import load_config
+    from worker.config_types import ConfigError
 
     calib = tmp_path / "calib.txt"
     calib.write_text("calibration text")

@@ -8,11 +8,15 @@ import pytest
 
 from engine import LLM, SamplingParams
 from schemas import ChatRequest, Message
-from worker.config import DEFAULT_RULES_TEMPLATE, load_config
+from worker.config import load_config
+from worker.config_sections import DEFAULT_RULES_TEMPLATE
 from worker.handlers import HandlerContext, Prepared
 from worker.handlers.chat import ChatHandler
 from worker.metrics import WorkerMetrics
 from worker.rules import RuleError, RuleSet, parse_rule
+
+# Slow tier (loads SmolLM2): `ops/dev.sh test --fast` leaves it out.
+pytestmark = pytest.mark.slow
 
 
 def test_rules_parse_into_kinds_and_prompt_lines():

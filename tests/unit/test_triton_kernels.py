@@ -23,6 +23,9 @@ from engine.attention.metadata import MaskSpec, PrefillSpan
 from engine.attention.torch_backend import gather_kv
 from engine.attention.triton_kernels import paged_decode, paged_prefill
 
+# Slow tier (runs the Triton kernels, interpreted where there is no GPU): `ops/dev.sh test --fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 H, KVH, D, BS, NB = 6, 2, 16, 16, 12
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
