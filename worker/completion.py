@@ -65,7 +65,7 @@ class Completion:
         for engine_id, err in ev.errors:
             fl = self.table.get(engine_id)
             if fl is not None:
-                self.table.fail(fl, err.code, err.message)
+                self._fail(fl, err.code, err.message)
         for out in ev.outputs:
             fl = self.table.get(out.request_id)
             if fl is None or fl.done:
@@ -75,7 +75,7 @@ class Completion:
             if not out.finished:
                 continue
             if out.error is not None:
-                self.table.fail(fl, out.error.code, out.error.message)
+                self._fail(fl, out.error.code, out.error.message)
                 continue
             if self.table.finish(out.request_id, out):
                 await self._finish(fl)
@@ -96,17 +96,21 @@ class Completion:
         try:
             result = await fl.handler.finish(fl.request, fl.prepared, fl.outputs, self.ctx)
         except RequestError as exc:
-            self.table.fail(fl, exc.code, exc.message)
+            self._fail(fl, exc.code, exc.message)
             return
         except Exception as exc:
             log.exception("handler finish failed", request_id=fl.request.id)
-            self.table.fail(fl, ErrorCode.internal, f"internal error while finishing: {type(exc).__name__}")
+            self._fail(fl, ErrorCode.internal, f"internal error while finishing: {type(exc).__name__}")
             return
         if isinstance(result, Prepared):
-            self.table.admit(fl, result)  # a second round: back to the engine
+            self.table.admit(fl, result)  # a second round: back to the engine through the table
             return
         fl.done = True
         self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs)
+
+    def _fail(self, fl: InFlight, code: str, message: str) -> None:
+        if self.table.withdraw(fl):
+            self.complete_failure(fl, code, message)
 
     async def _send_delta(self, fl: InFlight, out: RequestOutput) -> None:
         delta = Delta(id=fl.request.id, index=fl.delta_index, text=out.new_text, finished=out.finished,

@@ -3,9 +3,9 @@
 A prepared request enters with `admit`, which gives each of its engine jobs an id
 (topic/partition/offset/index, and /rN/ for a handler's second round) and hands the
 jobs to the batcher. Released batches go to the engine loop; a request whose deadline
-has passed is failed instead. Completion looks requests up here by engine id and takes
-them out when they finish; `fail` takes a request out early, aborts its engine work and
-hands an error to the failure sink (completion's error path).
+has passed is failed instead: withdrawn, and handed with its error to the failure sink
+(completion's error path). Completion looks requests up here by engine id and takes them
+out when they finish, or withdraws them when they fail.
 """
 
 from __future__ import annotations
@@ -125,15 +125,21 @@ class InFlightTable:
         fl.outputs[fl.engine_ids.index(engine_id)] = out
         return all(o is not None for o in fl.outputs)
 
-    def fail(self, fl: InFlight, code: str, message: str) -> None:
+    def withdraw(self, fl: InFlight) -> bool:
+        """Take a request out before it finished and abort its engine work; False if it was done already."""
         if fl.done:
-            return
+            return False
         fl.done = True
         for engine_id in fl.engine_ids:
             self._entries.pop(engine_id, None)
         pending = [eid for eid, out in zip(fl.engine_ids, fl.outputs, strict=True) if out is None]
         self.engine_loop.abort(pending)
-        self._on_failed(fl, code, message)
+        return True
+
+    def fail(self, fl: InFlight, code: str, message: str) -> None:
+        """Withdraw a request and hand it, with its error, to the failure sink."""
+        if self.withdraw(fl):
+            self._on_failed(fl, code, message)
 
     def drop_partition(self, tp: TopicPartition) -> int:
         """Forget a revoked or lost partition's requests and abort their engine work; returns how many

@@ -37,7 +37,7 @@ from worker.health import Health
 from worker.http import HealthServer
 from worker.inflight import InFlightTable
 from worker.intake import Intake
-from worker.kafka_clients import check_kafka_access, client_kwargs, producer_kwargs
+from worker.kafka_clients import check_kafka_access, consumer_kwargs, producer_kwargs
 from worker.memory import freeze_startup_objects
 from worker.metrics import WorkerMetrics
 from worker.partitions import Partitions, Rebalance
@@ -181,18 +181,7 @@ class Worker:
         self.ctx.redis = self.redis
         to_produce = producer_kwargs(cfg.kafka, client_id=self.worker_id)
         self.deltas = DeltaPublisher(to_produce, on_error=lambda: None)
-        self.consumer = AIOKafkaConsumer(
-            **client_kwargs(cfg.kafka, client_id=self.worker_id),
-            group_id=cfg.kafka.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-            max_poll_interval_ms=cfg.kafka.max_poll_interval_ms,
-            session_timeout_ms=cfg.kafka.session_timeout_ms,
-            heartbeat_interval_ms=cfg.kafka.heartbeat_interval_ms,
-            max_partition_fetch_bytes=max(cfg.kafka.max_message_bytes * 2, 1 << 20),
-            fetch_max_bytes=max(cfg.kafka.max_message_bytes * 4, 50 << 20),
-        )
+        self.consumer = AIOKafkaConsumer(**consumer_kwargs(cfg.kafka, client_id=self.worker_id))
         if cfg.kafka.delivery == "exactly_once":
             self.publisher = TransactionalPublisher(to_produce, cfg.kafka.group_id, cfg.kafka.transactional_id_prefix,
                                                     cfg.kafka.transaction_timeout_ms, self.metrics.inc_kafka_transaction,
