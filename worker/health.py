@@ -1,4 +1,5 @@
-"""Health: /healthz and /readyz, the load in each Redis heartbeat, and periodic self-reports.
+"""Health: /healthz and /readyz, and periodic self-reports. (The load in each Redis
+heartbeat is EngineLoop.load.)
 
 The housekeeping task runs every few seconds: the partitions' watchdog, a garbage
 collection of reference cycles, consumer lag and the cluster's KV hit rate.
@@ -31,9 +32,6 @@ class Health:
         self.table = table
         self.redis = redis
         self.metrics = metrics
-
-    def load(self) -> dict:
-        return self.engine_loop.load()
 
     def healthz(self) -> tuple[bool, dict]:
         alive = self.engine_loop.alive

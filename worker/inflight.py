@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import TopicPartition
 
-from engine import RequestError, RequestOutput
+from engine import RequestOutput
 from schemas import ErrorCode
 from worker.batcher import Batch, Batcher, BatchItem
 from worker.engine_loop import EngineJob, EngineLoop
@@ -43,10 +43,7 @@ class InFlight:
     stream: list[bool]
     delta_index: int = 0
     round: int = 0  # how many times work was handed to the engine (a handler may ask for a second round)
-    submitted_at: float | None = None
     done: bool = False
-    job_error: RequestError | None = None
-    extra: dict = field(default_factory=dict)
 
 
 # Called with a request taken out of the table by `fail`, its error code and message.
@@ -100,7 +97,6 @@ class InFlightTable:
                     self.fail(fl, ErrorCode.deadline_exceeded,
                               f"deadline passed {now_ms - deadline:.0f} ms before the request could start")
                     continue
-                fl.submitted_at = fl.submitted_at or time.monotonic()
                 work = item.payload
                 jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at))
         self.engine_loop.submit(jobs)
