@@ -65,3 +65,26 @@ def test_the_loop_steps_the_engine_on_the_thread_that_built_it():
     loop.stop(timeout=5)
     assert not loop.alive and loop.failed is None
     assert engine.threads == {t._thread.ident}
+
+
+def test_load_reports_the_last_step_and_the_kv_cache_as_it_is_now():
+    from types import SimpleNamespace
+
+    bm = SimpleNamespace(usage=0.25, hit_rate=0.5, prefix_queries=8, prefix_hits=4)
+    loop = EngineLoop(SimpleNamespace(block_manager=bm), deliver=lambda ev: None, thread=EngineThread())
+    loop.running, loop.waiting = 3, 1
+    assert loop.load() == {"running": 3, "waiting": 1, "kv_usage": 0.25, "hit_rate": 0.5, "queries": 8, "hits": 4}
+
+
+def test_fail_all_finishes_every_request_with_an_internal_error():
+    from types import SimpleNamespace
+
+    finished = []
+    scheduler = SimpleNamespace(requests={"a": "req-a", "b": "req-b"},
+                                finish=lambda req, reason: finished.append((req, reason)))
+    processor = SimpleNamespace(finish_without_token=lambda req, reason, err: (req, reason, err.code))
+    loop = EngineLoop(SimpleNamespace(scheduler=scheduler, output_processor=processor), deliver=lambda ev: None,
+                      thread=EngineThread())
+    outs = loop.fail_all(RuntimeError("boom"))
+    assert finished == [("req-a", "error"), ("req-b", "error")]
+    assert outs == [("req-a", "error", "internal"), ("req-b", "error", "internal")]

@@ -14,9 +14,10 @@ import asyncio
 from aiokafka import TopicPartition
 
 from worker.config import ServiceConfig
+from worker.flusher import Flusher
 from worker.offsets import OutRecord
+from worker.partitions import Partitions
 from worker.publisher import PartitionLost, PartitionResync
-from worker.service import Worker
 
 TP0 = TopicPartition("requests", 0)
 TP1 = TopicPartition("requests", 1)
@@ -77,54 +78,42 @@ class FakePublisher:
         return []
 
 
-class FakeEngineLoop:
-    def __init__(self) -> None:
-        self.aborted: list[str] = []
-
-    def abort(self, ids) -> None:
-        self.aborted.extend(ids)
-
-
-def worker(consumer: FakeConsumer, publisher: FakePublisher) -> Worker:
-    """A Worker with its Kafka clients replaced and no engine (nothing here reaches it)."""
-    w = Worker.__new__(Worker)
-    w.config = ServiceConfig()
-    w.consumer, w.publisher, w.engine_loop = consumer, publisher, FakeEngineLoop()
-    w.trackers, w.inflight, w._prepare_tasks = {}, {}, {}
-    w._awaiting_setup, w._setup_lock, w._setup_retry, w._watchdog_logged = {}, asyncio.Lock(), None, {}
-    w._paused, w._started, w._stopping = False, True, asyncio.Event()
-    return w
+def partitions(consumer: FakeConsumer, publisher: FakePublisher) -> tuple[Partitions, Flusher]:
+    """Partitions and the flusher with Kafka clients replaced and no requests in flight."""
+    p = Partitions(consumer, publisher, ServiceConfig(), asyncio.Event(), forget_work=lambda tp: 0)
+    p.active = True
+    return p, Flusher(p, publisher, flush_interval_s=0.05, eager=True, stopping=asyncio.Event())
 
 
 async def _producer_first_then_the_committed_offset():
     consumer = FakeConsumer([TP0, TP1], committed={TP0: 40})
-    w = worker(consumer, FakePublisher(consumer))
+    w, _ = partitions(consumer, FakePublisher(consumer))
     await w.on_assigned({TP0, TP1})
     # Each partition's offset is read only after its producer fenced the previous owner.
     assert consumer.log.index("producer 0") < consumer.log.index("committed 0")
     assert consumer.log.index("producer 1") < consumer.log.index("committed 1")
     assert consumer.position == {TP0: 40, TP1: 0}  # nothing committed on 1: from the start of the log (0, or the reset policy)
     assert w.trackers[TP0].next_offset == 40 and w.trackers[TP1].next_offset == 0
-    assert not consumer.paused and not w._awaiting_setup
+    assert not consumer.paused and not w.awaiting_setup
 
 
 async def _a_producer_that_fails_to_start_keeps_its_partition_paused_until_a_retry():
     consumer = FakeConsumer([TP0, TP1], committed={TP0: 5, TP1: 9})
-    w = worker(consumer, FakePublisher(consumer, fail_starts=1))
+    w, flusher = partitions(consumer, FakePublisher(consumer, fail_starts=1))
     await w.on_assigned({TP0, TP1})
     assert set(w.trackers) == {TP1} and consumer.paused == {TP0}
-    assert w._awaiting_setup[TP0].reason == "assigned: set-up failed"
-    w._awaiting_setup[TP0].retry_at = 0.0  # its wait is over
-    await w._flush_all()  # nothing to publish: the flush loop still starts the retry
-    await w._setup_retry
-    assert set(w.trackers) == {TP0, TP1} and not consumer.paused and not w._awaiting_setup
+    assert w.awaiting_setup[TP0].reason == "assigned: set-up failed"
+    w.awaiting_setup[TP0].retry_at = 0.0  # its wait is over
+    await flusher.flush_all()  # nothing to publish: the flush loop still starts the retry
+    await w.setup_retry
+    assert set(w.trackers) == {TP0, TP1} and not consumer.paused and not w.awaiting_setup
     assert consumer.position == {TP0: 5, TP1: 9}
 
 
 async def _a_partition_revoked_during_its_set_up_gets_no_producer():
     consumer = FakeConsumer([TP0], committed={})
     publisher = FakePublisher(consumer)
-    w = worker(consumer, publisher)
+    w, _ = partitions(consumer, publisher)
     started = publisher.add_partitions
 
     async def revoked_meanwhile(tps):
@@ -140,22 +129,22 @@ async def _a_partition_revoked_during_its_set_up_gets_no_producer():
 async def _an_unknown_outcome_resyncs_and_fencing_waits_before_trying_again():
     consumer = FakeConsumer([TP0, TP1], committed={TP0: 3, TP1: 7})
     publisher = FakePublisher(consumer)
-    w = worker(consumer, publisher)
+    w, flusher = partitions(consumer, publisher)
     await w.on_assigned({TP0, TP1})
     for tp in (TP0, TP1):
         w.trackers[tp].register(10)
         w.trackers[tp].complete(10, [OutRecord("results", b"k", b"v")])
 
     publisher.outcome = PartitionResync("requests-0: transaction timed out at commit")
-    await w._flush_all(only=[TP0])
+    await flusher.flush_all(only=[TP0])
     assert TP0 not in w.trackers and TP0 in consumer.paused
-    assert w._awaiting_setup[TP0].reason.startswith("resync")
+    assert w.awaiting_setup[TP0].reason.startswith("resync")
     consumer.offsets[TP0] = 11  # the new producer finished the transaction: it had committed
     publisher.outcome = PartitionLost("requests-1: fenced by a newer owner")
-    await w._flush_all()  # TP1 fenced; TP0's resync starts at once
-    await w._setup_retry
+    await flusher.flush_all()  # TP1 fenced; TP0's resync starts at once
+    await w.setup_retry
     assert consumer.position[TP0] == 11 and w.trackers[TP0].next_offset == 11 and TP0 not in consumer.paused
-    wait = w._awaiting_setup[TP1]
+    wait = w.awaiting_setup[TP1]
     assert wait.reason == "fenced by another producer"
     assert wait.retry_at - wait.since >= 10.0 and TP1 in consumer.paused
 
