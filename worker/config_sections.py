@@ -27,7 +27,7 @@ DEFAULT_RISK_INSTRUCTION = (
 
 class ExecutionConfig(ExecutionSettings):
     """Batching, on top of the engine's execution settings. `batch_timeout` (seconds) is the longest a
-    dynamic batch waits to fill."""
+    dynamic batch waits to fill while the engine is full (with room, requests go to it at once)."""
 
     batch_timeout: Seconds = 0.05
     max_batch_size: PositiveInt = 16

@@ -6,6 +6,11 @@ jobs to the batcher. Released batches go to the engine loop; a request whose dea
 has passed is failed instead: withdrawn, and handed with its error to the failure sink
 (completion's error path). Completion looks requests up here by engine id and takes them
 out when they finish, or withdraws them when they fail.
+
+NOTE: the batcher only holds work while the engine is full. The table counts the jobs the
+engine holds, and whenever fewer than `max_running` are there, it releases that much
+room from the batcher at once (`Batcher.release`): a batching window never delays a job
+that the engine could start now.
 """
 
 from __future__ import annotations
@@ -52,8 +57,10 @@ FailureSink = Callable[[InFlight, str, str], None]
 
 class InFlightTable:
     def __init__(self, batcher: Batcher, engine_loop: EngineLoop, metrics: WorkerMetrics,
-                 on_failed: FailureSink) -> None:
+                 on_failed: FailureSink, max_running: int) -> None:
         self.batcher = batcher
+        self.max_running = max_running
+        self._in_engine: set[str] = set()  # engine ids submitted and not yet finished or withdrawn
         self.engine_loop = engine_loop
         self.metrics = metrics
         self._on_failed = on_failed
@@ -80,7 +87,12 @@ class InFlightTable:
             ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids), work.params.max_tokens,
                                                payload=work, arrival=time.monotonic()))
             self.submit(ready)
+        self.submit(self.batcher.release(self.room()))
         self._wakeup.set()
+
+    def room(self) -> int:
+        """How many more jobs the engine can run at once now."""
+        return max(0, self.max_running - len(self._in_engine))
 
     def submit(self, batches: list[Batch]) -> None:
         """Send released batches to the engine, failing the requests whose deadline has passed."""
@@ -99,6 +111,7 @@ class InFlightTable:
                     continue
                 work = item.payload
                 jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at))
+                self._in_engine.add(item.key)
         self.engine_loop.submit(jobs)
 
     async def run_batch_timer(self, stopping: asyncio.Event) -> None:
@@ -110,6 +123,7 @@ class InFlightTable:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
             self.submit(self.batcher.poll(time.monotonic()))
+            self.submit(self.batcher.release(self.room()))
 
     def drain(self) -> None:
         """Send everything the batcher still holds (shutdown)."""
@@ -118,6 +132,8 @@ class InFlightTable:
     def finish(self, engine_id: str, out: RequestOutput) -> bool:
         """Record one job's last output; True when every job of its request has finished."""
         fl = self._entries.pop(engine_id)
+        self._in_engine.discard(engine_id)
+        self._wakeup.set()  # room for a waiting job: the batch timer releases it
         fl.outputs[fl.engine_ids.index(engine_id)] = out
         return all(o is not None for o in fl.outputs)
 
@@ -128,6 +144,8 @@ class InFlightTable:
         fl.done = True
         for engine_id in fl.engine_ids:
             self._entries.pop(engine_id, None)
+            self._in_engine.discard(engine_id)
+        self._wakeup.set()
         pending = [eid for eid, out in zip(fl.engine_ids, fl.outputs, strict=True) if out is None]
         self.engine_loop.abort(pending)
         return True
@@ -144,6 +162,8 @@ class InFlightTable:
         for eid in lost:
             self._entries[eid].done = True
             self._entries.pop(eid, None)
+            self._in_engine.discard(eid)
+        self._wakeup.set()
         self.engine_loop.abort(lost)
         return len(lost)
 
@@ -153,4 +173,5 @@ class InFlightTable:
         if count:
             self.engine_loop.abort(list(self._entries))
             self._entries.clear()
+            self._in_engine.clear()
         return count

@@ -198,7 +198,7 @@ class Worker:
         # The table's failures become error results: completion is built next, so look it up late.
         self.inflight = InFlightTable(self.batcher, self.engine_loop, self.metrics,
                                       on_failed=lambda fl, code, message: self.completion.complete_failure(
-                                          fl, code, message))
+                                          fl, code, message), max_running=cfg.execution.max_num_seqs)
         self.completion = Completion(
             table=self.inflight, trackers=self.partitions.trackers, deltas=self.deltas, ctx=self.ctx,
             metrics=self.metrics, topics=cfg.topics, log_prompts=cfg.logging.log_prompts, redis=self.redis,

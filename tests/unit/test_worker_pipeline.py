@@ -73,16 +73,16 @@ class FakePartitions:
         raise AssertionError("the partition is set up")
 
 
-def _parts():
+def _parts(batcher=None, max_running: int = 64):
     config = ServiceConfig()
     topics = SimpleNamespace(request_topics={"chat": TOPIC}, results="results", deltas="deltas", dlq="dlq")
     metrics = WorkerMetrics(CollectorRegistry())
     ctx = HandlerContext(tokenizer=None, max_model_len=512, max_num_batched_tokens=512, worker_id="w1",
                          model_name="m", config=config, metrics=metrics)
     engine_loop, partitions, ready = FakeEngineLoop(), FakePartitions(), asyncio.Event()
-    batcher = make_batcher("fifo", max_batch_size=1, batch_timeout_s=0.0)
+    batcher = make_batcher("fifo", max_batch_size=1, batch_timeout_s=0.0) if batcher is None else batcher
     table = InFlightTable(batcher, engine_loop, metrics, on_failed=lambda fl, code, msg: completion.complete_failure(
-        fl, code, msg))
+        fl, code, msg), max_running=max_running)
     completion = Completion(table=table, trackers=partitions.trackers, deltas=None, ctx=ctx, metrics=metrics,
                             topics=topics, log_prompts=False, redis=None, results_ready=ready,
                             on_progress=partitions.update_pause)
@@ -165,3 +165,27 @@ def test_an_undecodable_record_is_dead_lettered_and_a_bad_request_answered():
 
 def test_an_asr_error_is_keyed_by_its_stream_and_carries_its_seq():
     asyncio.run(_an_asr_error_is_keyed_by_its_stream_and_carries_its_seq())
+
+
+async def _the_batcher_holds_work_only_while_the_engine_is_full():
+    # A window that would hold every job for a minute, in front of an engine that runs 3 jobs at once.
+    batcher = make_batcher("dynamic_bucket", max_seq_len=512, max_batch_size=16, batch_timeout_s=60.0)
+    intake, table, completion, engine_loop, _, _ = _parts(batcher, max_running=3)
+    chat = b'{"id": "c%d", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    assert await intake.take(_record(0, chat % 0))
+    assert engine_loop.jobs == ["requests/0/0/0", "requests/0/0/1"]  # no wait: the engine had room
+    assert await intake.take(_record(1, chat % 1))
+    assert engine_loop.jobs[2:] == ["requests/0/1/0"] and len(batcher) == 1  # full: the last job waits
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/0", "a")]))
+    assert table.room() == 1 and len(batcher) == 1
+    stopping = asyncio.Event()
+    timer = asyncio.create_task(table.run_batch_timer(stopping))
+    await asyncio.sleep(0.05)  # one turn of the timer, woken by the finished job
+    stopping.set()
+    table._wakeup.set()
+    await timer
+    assert engine_loop.jobs[3:] == ["requests/0/1/1"] and len(batcher) == 0 and table.room() == 0
+
+
+def test_the_batcher_holds_work_only_while_the_engine_is_full():
+    asyncio.run(_the_batcher_holds_work_only_while_the_engine_is_full())
