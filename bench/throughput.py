@@ -34,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.report import markdown_table, print_table
+from bench.report import isa_path, markdown_table, print_table
 from engine import LLM, SamplingParams
 from engine.model_registry import resolve_model
 from engine.models.config import ModelConfig
@@ -756,6 +756,7 @@ def main() -> None:
     s = QUICK if args.quick else Settings()
     command = invocation()
     console.print(f"[bold]$ {command}[/bold]")
+    isa = isa_path()
     torch.set_num_threads(args.threads)
     # Partial or non-default runs keep their own JSON and leave docs/perf/cpu-engine.md alone.
     suffix = "-quick" if args.quick else ""
@@ -764,7 +765,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     path = resolve_model("smollm2")
-    r: dict = {"command": command, "seed": args.seed, "machine": roofline.describe_machine(),
+    r: dict = {"command": command, "seed": args.seed, "machine": roofline.describe_machine(), "isa": isa,
                "settings": {**s.__dict__, "threads": args.threads, "hf_cb_attn": args.hf_cb_attn}}
 
     # One-time costs, timed apart: the C++ kernels (built once per machine, then loaded from disk), the model.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 from functools import cache
 from pathlib import Path
@@ -48,14 +49,47 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_flags() -> list[str]:
-    """The compiler flags: native code, OpenMP, and ATen's vector width for this CPU."""
-    flags = ["-O3", "-march=native", "-fopenmp"]
+# Caps the instruction set the kernels are built for, e.g. "avx2" on an AVX-512 host to run and test the
+# path every other x86 host takes. Unset: the host's best.
+ISA_ENV = "INFINILM_CPU_ISA"
+ISAS = ("avx512", "avx2", "baseline")
+
+
+def host_isa() -> str:
+    """The best instruction set of this CPU the kernels have a path for."""
     cpu = _cpu_flags()
     if " avx512f" in cpu and " avx512bw" in cpu and " avx512vl" in cpu and " avx512dq" in cpu:
+        return "avx512"
+    if " avx2" in cpu and " fma" in cpu:
+        return "avx2"
+    return "baseline"
+
+
+def target_isa() -> str:
+    """The instruction set the kernels are built for: the host's best, or less where INFINILM_CPU_ISA says so.
+    Raises ValueError for an unknown name or one this CPU lacks."""
+    host = host_isa()
+    wanted = os.environ.get(ISA_ENV, "").strip().lower()
+    if not wanted:
+        return host
+    if wanted not in ISAS:
+        raise ValueError(f"{ISA_ENV}={wanted!r}: expected one of {', '.join(ISAS)}")
+    if ISAS.index(wanted) < ISAS.index(host):
+        raise ValueError(f"{ISA_ENV}={wanted!r}, but this CPU's best is {host!r}")
+    return wanted
+
+
+def build_flags() -> list[str]:
+    """The compiler flags: native code capped at target_isa(), OpenMP, and ATen's vector width."""
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    isa, host = target_isa(), host_isa()
+    if isa == "avx512":
         flags.append("-DCPU_CAPABILITY_AVX512")
-    elif " avx2" in cpu and " fma" in cpu:
-        flags.append("-DCPU_CAPABILITY_AVX2")
+    elif isa == "avx2":
+        # -mno-avx512f turns off every AVX-512 subset, so the AVX-512-only kernels compile out.
+        flags += (["-mno-avx512f"] if host == "avx512" else []) + ["-DCPU_CAPABILITY_AVX2"]
+    elif host != "baseline":
+        flags += ["-mno-avx512f", "-mno-avx2", "-mno-fma"]
     return flags
 
 
