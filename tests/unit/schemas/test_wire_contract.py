@@ -144,7 +144,7 @@ def test_every_dead_letter_has_every_key(fmt):
 
 
 def test_the_readmes_result_records_are_byte_for_byte_what_a_worker_writes():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("### Results on the wire", 1)[1]
     block = section.split("```json\n", 1)[1].split("```", 1)[0]
     lines = block.strip().splitlines()

@@ -19,7 +19,7 @@ from engine.attention.kv_int8 import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels.cpu_build import kernels_available, load_kernels
-from tests.unit.test_paged_decode_kernel import int8_cache
+from tests.unit.engine.test_paged_decode_kernel import int8_cache
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")]

@@ -19,7 +19,7 @@ from worker.config import ServiceConfig, load_config, parse_bytes, parse_duratio
 from worker.config_sections import DEFAULT_RULES_TEMPLATE, AsrConfig
 from worker.config_types import ConfigError, Secret
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "config.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "config.yaml"
 PASSWORD = "s3cr3t-Hunter2"
 SASL = {
     "INFINILM__KAFKA__SECURITY_PROTOCOL": "SASL_SSL",

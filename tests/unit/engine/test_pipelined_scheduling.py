@@ -14,7 +14,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.request import PLACEHOLDER
-from tests.unit.test_engine_equivalence import assert_same_greedy
+from tests.unit.engine.test_engine_equivalence import assert_same_greedy
 
 
 def prompts() -> list[list[int]]:

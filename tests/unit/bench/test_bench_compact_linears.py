@@ -8,7 +8,7 @@ import pytest
 from engine.kernels.cpu_build import cpu_kernels
 from engine.models import compact_weights as cw
 from engine.models import linear as lin
-from tests.unit.test_compact_weights import gguf_roundtrip
+from tests.unit.engine.test_compact_weights import gguf_roundtrip
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512")]

@@ -26,7 +26,7 @@ import yaml
 from devstack import DEFAULT_TOPICS
 from worker.metrics import HISTOGRAM_NAMES, METRIC_NAMES
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROMETHEUS_DIR = REPO / "ops" / "prometheus"
 PROMETHEUS_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
 ALERTS = PROMETHEUS_DIR / "alerts.yml"

@@ -33,7 +33,7 @@ def test_to_device_on_the_cpu_keeps_values_and_types():
 @pytest.mark.parametrize("path", STEP_PATH)
 def test_the_step_path_makes_no_blocking_uploads(path):
     """No torch.tensor(..., device=...) and no .to(device) without non_blocking in the step path."""
-    tree = ast.parse((Path(__file__).resolve().parents[2] / path).read_text())
+    tree = ast.parse((Path(__file__).resolve().parents[3] / path).read_text())
     offenders = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
