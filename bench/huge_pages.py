@@ -40,7 +40,7 @@ from bench.kv_decode import measure_batches, parse_args, passages, whole_workloa
 from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM, hugepages
-from engine.models.cpu_kernels import cpu_kernels
+from engine.kernels.cpu_build import cpu_kernels
 
 SETTINGS = {"fp32 panels": {"cpu_prepack_weights": True, "cpu_compact_weights": False},
             "compact panels (defaults)": {},

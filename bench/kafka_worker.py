@@ -13,8 +13,8 @@ from pathlib import Path
 def fresh_topics(name: str) -> Iterator[tuple]:
     """Start the stack if needed and create topics `bench.<name>.<kind>.<id>` (3 partitions). Yields
     (topics, bootstrap servers); deletes the topics afterwards."""
+    from devstack import StackConfig, delete_topics, ensure_topics, stack_up
     from tests.integration.worker_harness import Topics
-    from worker.stack import StackConfig, delete_topics, ensure_topics, stack_up
 
     stack = StackConfig()
     stack_up(stack)
@@ -31,8 +31,8 @@ def fresh_topics(name: str) -> Iterator[tuple]:
 def worker_on_fresh_topics(model: str, name: str, **sections) -> Iterator[tuple]:
     """`fresh_topics`, then `infinilm worker` on them with the test harness's config updated by `sections`,
     ready. Yields (worker, topics, bootstrap servers); stops the worker afterwards."""
+    from devstack import StackConfig
     from tests.integration.worker_harness import WorkerProcess, write_config
-    from worker.stack import StackConfig
 
     stack = StackConfig()
     with fresh_topics(name) as (topics, bootstrap):

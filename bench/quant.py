@@ -192,7 +192,7 @@ def kernel_candidates(ops, x, w, q8, codes, scale, offset, packed, g, torch_int4
 
 def kernel_rows() -> list[dict]:
     """Decode-shaped matmuls (M rows) on SmolLM2's layer shapes, median of blocked runs."""
-    from engine.attention.cpu_paged import load_kernels
+    from engine.kernels.cpu_build import load_kernels
 
     ops = load_kernels()
     rows = []

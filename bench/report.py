@@ -29,9 +29,19 @@ def invocation(module: str) -> str:
 
 
 def run_info(module: str, threads: int) -> dict:
-    """What publish_table reports about a run: its command, date, load average and threads."""
+    """What publish_table reports about a run: its command, date, load average, threads and CPU kernel path."""
     return {"command": invocation(module), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load": os.getloadavg()[0], "threads": threads}
+            "load": os.getloadavg()[0], "threads": threads, "isa": isa_path()}
+
+
+def isa_path() -> str:
+    """Which instruction-set path the CPU kernels run ("avx512", "avx2", "baseline"); printed by the CPU
+    benchmarks, since the same host gives other figures under INFINILM_CPU_ISA."""
+    from engine.kernels.cpu_build import host_isa, target_isa
+
+    isa = target_isa()
+    console.print(f"CPU kernels: the {isa} path (this host's best: {host_isa()}; INFINILM_CPU_ISA caps it)")
+    return isa
 
 
 def print_table(title: str, headers: list[str], rows: list[tuple]) -> None:

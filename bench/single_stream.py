@@ -31,7 +31,7 @@ from bench import roofline
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, decode_weight_bytes, progress_bar
 from engine import LLM, SamplingParams
-from engine.models.cpu_kernels import cpu_kernels
+from engine.kernels.cpu_build import cpu_kernels
 
 ARMS = {"4 KiB pages (huge_pages false)": False, "weights in huge pages (huge_pages auto, the default)": "auto"}
 
@@ -41,7 +41,7 @@ class PhaseClock:
 
     def __init__(self, model) -> None:
         self.layers = self.head = 0.0
-        model._fused_decode_layers = self._timed(model._fused_decode_layers, "layers")
+        model.fused_decoder.run_layers = self._timed(model.fused_decoder.run_layers, "layers")
         model.compute_logits = self._timed(model.compute_logits, "head")
 
     def _timed(self, fn, phase: str):
@@ -93,7 +93,7 @@ def main() -> None:
                         kv_cache_memory_bytes=64 << 20, cpu_prepack_weights=True, cpu_compact_weights=False,
                         huge_pages=huge)
         data["arms"][arm] = {"start_s": time.perf_counter() - t0, "rounds": []}
-        if llms[arm].engine.model._fused_decode is None:
+        if llms[arm].engine.model.fused_decoder is None:
             raise SystemExit("this model does not take the one-call decoder here; nothing to split")
         clocks[arm] = PhaseClock(llms[arm].engine.model)
     first = next(iter(llms.values()))

@@ -34,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.report import markdown_table, print_table
+from bench.report import isa_path, markdown_table, print_table
 from engine import LLM, SamplingParams
 from engine.model_registry import resolve_model
 from engine.models.config import ModelConfig
@@ -180,18 +180,18 @@ def run_single_stream_rounds(llm: LLM, prompt: list[int], n: int, rounds: int,
     (roofline.ReadProbe), each engine round also records `read_gbps`, the better of the read rates measured
     right before and right after it: its own memory floor (analyse: single_stream_paired_share)."""
     model = llm.engine.model
-    fused = model._fused_decode
+    fused = model.fused_decoder
     arms = {"engine": [], "layer_by_layer": []} if fused is not None else {"engine": []}
     try:
         for _ in range(rounds):
             for arm, runs in arms.items():
-                model._fused_decode = fused if arm == "engine" else None
+                model.fused_decoder = fused if arm == "engine" else None
                 before = read_probe() if read_probe and arm == "engine" else None
                 runs.append(run_single_stream(llm, prompt, n))
                 if before is not None:
                     runs[-1]["read_gbps"] = max(before, read_probe())
     finally:
-        model._fused_decode = fused
+        model.fused_decoder = fused
 
     def median(runs: list[dict]) -> dict:
         out = {**sorted(runs, key=lambda x: x["decode_tok_s"])[len(runs) // 2],
@@ -377,7 +377,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
     """Wrap the engine's step phases so the profile says where wall time goes, Python included."""
     import engine.model_runner as model_runner
-    from engine.attention.cpu_paged import kernels_available, load_kernels
+    from engine.kernels.cpu_build import kernels_available, load_kernels
 
     engine = llm.engine
     totals: dict[str, float] = defaultdict(float)
@@ -756,6 +756,7 @@ def main() -> None:
     s = QUICK if args.quick else Settings()
     command = invocation()
     console.print(f"[bold]$ {command}[/bold]")
+    isa = isa_path()
     torch.set_num_threads(args.threads)
     # Partial or non-default runs keep their own JSON and leave docs/perf/cpu-engine.md alone.
     suffix = "-quick" if args.quick else ""
@@ -764,11 +765,11 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     path = resolve_model("smollm2")
-    r: dict = {"command": command, "seed": args.seed, "machine": roofline.describe_machine(),
+    r: dict = {"command": command, "seed": args.seed, "machine": roofline.describe_machine(), "isa": isa,
                "settings": {**s.__dict__, "threads": args.threads, "hf_cb_attn": args.hf_cb_attn}}
 
     # One-time costs, timed apart: the C++ kernels (built once per machine, then loaded from disk), the model.
-    from engine.attention.cpu_paged import kernels_available
+    from engine.kernels.cpu_build import kernels_available
 
     t0 = time.perf_counter()
     kernels = kernels_available()

@@ -126,10 +126,10 @@ STEP_TIMEOUT_S = 120
 
 
 async def _asr_stream(llm, ctx, chunks: list[str]) -> list[dict]:
+    from devstack import StackConfig, stack_up
     from schemas import AsrRequest
     from worker.handlers.asr import AsrHandler
-    from worker.redis_state import RedisState
-    from worker.stack import StackConfig, stack_up
+    from worker.state import RedisState
 
     stack = StackConfig()
     stack_up(stack)

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.backend import select_backend
-from engine.attention.int8_backend import select_int8_backend
 from engine.attention.kv_int8 import KVWindowSlots
 from engine.attention.metadata import CAUSAL, MaskSpec
+from engine.attention.selection import select_backend, select_int8_backend
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, CacheLayout, EngineConfig
 from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
@@ -30,13 +29,12 @@ from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner, StepHandle
-from engine.models import decode_split
 from engine.models.config import ModelConfig
 from engine.models.embedding_offload import offload_embedding
-from engine.models.llama import ActivationWorkspace
 from engine.models.loader import dummy_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
+from engine.platform_tuning import tune_model
 from engine.quant.loading import load_engine_model
 from engine.quant.modules import weight_bytes
 from engine.request import Request
@@ -46,13 +44,6 @@ from engine.speculative import make_proposer
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# huge_pages "auto": the most seconds an engine start spends faulting in huge pages for the decode-streamed
-# weights; a host that must compact memory to find them gets 4 KiB pages for the rest (engine/hugepages.py).
-# 2 s: on the AMD dev VM an engine's first start in a process took 1.08 s for the first 438 of SmolLM2's 513
-# MiB (a budget of 1 s then left the other 75 MiB, the last of the tied LM head's 108, in 4 KiB pages, where a
-# 1-row stream read at about 46 GB/s against 61 in huge pages, ad hoc at a 65-69 GB/s moment).
-WEIGHTS_HUGE_PAGE_BUDGET_S = 2.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,39 +87,9 @@ class EngineCore:
                                            self.device, self.tokenizer)
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
-        start = time.perf_counter()
-        # "auto": packed copies only where they are compact, a fraction of the weights' bytes (linear.prepack).
-        self.prepacked_bytes = (self.model.prepack_weights(config.cpu_compact_weights, config.cpu_free_plain_weights,
-                                                           only_compact=config.cpu_prepack_weights == "auto")
-                                if config.cpu_prepack_weights else 0)
-        self.prepack_s = time.perf_counter() - start
-        if self.prepacked_bytes:
-            log.info("packed weight copies: %.0f MiB in %.1f s", self.prepacked_bytes / 2**20, self.prepack_s)
-        if config.huge_pages and self.device.type == "cpu":
-            start = time.perf_counter()
-            # "auto" bounds the time spent finding huge pages; the rest of the weights keep 4 KiB pages.
-            budget = WEIGHTS_HUGE_PAGE_BUDGET_S if config.huge_pages == "auto" else None
-            moved, huge = self.model.move_decode_weights_to_huge_pages(budget)
-            if moved:
-                log.info("weights a decode step streams: %.0f MiB moved in %.2f s, %.0f MiB of them in huge pages%s",
-                         moved / 2**20, time.perf_counter() - start, huge / 2**20,
-                         "" if huge >= moved else f" (the host took over {budget} s to find them; the rest "
-                         "keep 4 KiB pages)")
-        self.decode_split: decode_split.SplitChoice | None = None
-        if isinstance(config.cpu_decode_split_rows, int):
-            self.model.decode_split_rows = config.cpu_decode_split_rows
-        elif torch.get_num_threads() >= 2:
-            self.decode_split = self.model.choose_decode_split()
-            if self.decode_split is not None:
-                c = self.decode_split
-                log.info("one-call decoder: a group of rows per thread from %d rows a thread (fp32 GEMM %.0f GFLOP/s, "
-                         "packed weights streamed at %.1f GB/s, %.2f bytes a weight; measured in %.2f s)",
-                         c.rows, c.gemm_gflops, c.stream_gbps, c.bytes_per_weight, c.seconds)
-        if self.device.type == "cuda" and config.gpu_fused_kernels:
-            self.model.enable_triton_fusions()
-        if 0 < config.activation_chunk_rows < config.max_num_batched_tokens:
-            self.model.use_workspace(ActivationWorkspace(config.activation_chunk_rows, mc.hidden_size,
-                                                         mc.intermediate_size, self.dtype, self.device))
+        tuning = tune_model(self.model, config, self.device, self.dtype)
+        self.prepacked_bytes, self.prepack_s, self.decode_split = (tuning.prepacked_bytes, tuning.prepack_s,
+                                                                   tuning.decode_split)
         self.weight_bytes = weight_bytes(self.model)
         self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype)
         self.max_model_len = self.layout.max_model_len

@@ -6,14 +6,10 @@ pages either always or, by default on many distributions (`/sys/kernel/mm/transp
 = madvise), only where the process asks with madvise(MADV_HUGEPAGE) before the memory is first touched;
 torch's allocator never asks. The engine asks for the weights a decode step streams by default
 (`huge_pages: auto`), spending at most a fixed budget of its start-up faulting them in, and for the KV
-cache too with `huge_pages: true`. `.venv/bin/python -m bench.single_stream` (2026-12-05, the AMD dev VM):
-a single stream of SmolLM2's fp32 panels decodes 1.07x as fast with its weights in huge pages where
-memory is slow and about 1.1x where it is fast (19:07 UTC). `.venv/bin/python -m bench.huge_pages`
-(earlier that day, on the Intel VM before it) found the KV cache's huge pages worth little (decode steps
-1.00-1.03x from batch 16 up) and an engine start up to 18 s longer where the kernel had to compact memory
-(THP defrag `madvise`) to find pages for the KV pool, so the KV cache is not in the default. On the AMD VM
-(2026-12-06, `.venv/bin/python -m bench.huge_pages --kv-only`), the KV cache in huge pages on top of `auto`
-gave decode steps 0.99-1.03x at batch 32-64, for a start 2.7 s longer.
+cache too with `huge_pages: true`. Weights in huge pages speed up single-stream decode; the KV cache's
+huge pages are worth little to decode steps and can make an engine start much longer where the kernel
+must compact memory (THP defrag `madvise`) to find pages for the KV pool, so the KV cache is not in the
+default (figures and commands: docs/perf/engine-notes.md, "Huge pages").
 
 `HugePageArena` maps one private anonymous region, asks for huge pages, and hands out tensors
 carved from it, so that a set of tensors shares one region (a tensor of its own would round its

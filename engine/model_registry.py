@@ -114,7 +114,7 @@ def _is_current(folder: Path) -> bool:
     # The folder appears by an atomic rename, so existing means complete; only an older importer's
     # output (which may carry since-fixed mistakes) needs redoing.
     try:
-        from engine.gguf_import import IMPORT_INFO_FILE, IMPORTER_VERSION  # torch only when needed
+        from engine.gguf_import.importer import IMPORT_INFO_FILE, IMPORTER_VERSION  # torch only when needed
 
         info = json.loads((folder / IMPORT_INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -132,7 +132,7 @@ def _prepare(gguf_path: Path, folder: Path, force: bool) -> Path:
             for kind in ("importing", "old"):
                 for stale in folder.parent.glob(f".{folder.name}.{kind}-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-            from engine.gguf_import import console_progress, import_gguf
+            from engine.gguf_import.importer import console_progress, import_gguf
 
             with console_progress(f"importing {gguf_path.name}") as progress:
                 import_gguf(gguf_path, folder, progress=progress, overwrite=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
+from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 from engine.sampling_params import SamplingParams
 from engine.transfer import to_device
 

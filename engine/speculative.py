@@ -28,7 +28,15 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.request import Request
-    from engine.scheduler import ScheduledRequest
+
+
+class Drafted(Protocol):
+    """What `verify` reads of a drafted request's share of a step (the scheduler's ScheduledRequest)."""
+
+    token_ids: list[int]
+    num_draft: int
+    params: SamplingParams
+    generator: torch.Generator | None
 
 
 class Proposer(Protocol):
@@ -79,7 +87,7 @@ def may_speculate(params: SamplingParams) -> bool:
             and not params.deterministic)
 
 
-def verify(logits: torch.Tensor, drafted: list[ScheduledRequest]) -> list[list[int]]:
+def verify(logits: torch.Tensor, drafted: list[Drafted]) -> list[list[int]]:
     """The tokens each drafted request keeps: its accepted draft prefix, then one more.
 
     logits: [sum(num_draft + 1), vocab] fp32, each request's rows in order; row i of a

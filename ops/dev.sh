@@ -3,6 +3,7 @@
 # the project needs, then runs the demo or the whole test suite.
 #   ops/dev.sh demo   - bring up Kafka + Redis, start a worker, send real requests
 #   ops/dev.sh test   - lint, start the local stack, run every test tier
+#   ops/dev.sh test --fast - lint, then tests/unit without the tests marked slow (the edit-test loop)
 #   ops/dev.sh setup  - only install what is missing
 set -euo pipefail
 
@@ -53,13 +54,23 @@ ensure_venv() {
 }
 
 cmd_test() {
+  local fast=0
+  if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
   log "ruff"
   "$VENV/bin/ruff" check .
-  log "starting the local stack (Kafka + Redis)"
-  "$VENV/bin/infinilm" stack up
-  log "pytest"
+  if [ "$fast" = 0 ]; then
+    log "starting the local stack (Kafka + Redis)"
+    "$VENV/bin/infinilm" stack up
+  fi
   set +e
-  "$VENV/bin/pytest" --durations=15 "$@"
+  if [ "$fast" = 1 ]; then
+    # Unit tests only, so no stack; `slow` marks the modules that load SmolLM2 or build the C++ kernels.
+    log "pytest, fast tier: tests/unit -m 'not slow'"
+    "$VENV/bin/pytest" --durations=10 -m "not slow" tests/unit "$@"
+  else
+    log "pytest"
+    "$VENV/bin/pytest" --durations=15 "$@"
+  fi
   local rc=$?
   set -e
   # Exit code 5 means no tests were collected (e.g. a -k filter matched nothing).
@@ -74,7 +85,7 @@ main() {
     setup) ensure_system_packages; ensure_venv ;;
     test) ensure_system_packages; ensure_venv; cmd_test "$@" ;;
     demo) ensure_system_packages; ensure_venv; "$VENV/bin/infinilm" demo "$@" ;;
-    *) echo "usage: ops/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+    *) echo "usage: ops/dev.sh {demo|test [--fast]|setup} [args]" >&2; exit 2 ;;
   esac
 }
 

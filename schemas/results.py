@@ -13,7 +13,7 @@ The wire contract (what a plain `json.loads` / `msgpack.unpackb` client sees):
 - risk results add `items`, each with every field of `RiskItemResult`;
 - chat results add `compliance` when the request had `rules`;
 - every delta and dead letter has all its fields (null where unset).
-tests/unit/test_wire_contract.py pins these key sets.
+tests/unit/schemas/test_wire_contract.py pins these key sets.
 """
 
 from __future__ import annotations

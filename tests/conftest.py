@@ -73,7 +73,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture
 def decode_layers_calls(monkeypatch) -> list[int]:
     """Rows of each call of the one-call decoder (decode_layers) from here on; the real kernel still runs."""
-    from engine.models.cpu_kernels import cpu_kernels
+    from engine.kernels.cpu_build import cpu_kernels
 
     ops, calls = cpu_kernels(), []
     if ops is not None:

@@ -49,9 +49,8 @@ class EngineThread:
     every thread that runs a parallel region gets its own team of worker threads; a
     model loaded on the main thread and stepped on another leaves two teams, more
     OpenMP threads than CPUs on a small host, and libgomp then parks its workers
-    between parallel regions instead of spinning. On the 2-core dev machine that
-    made a worker's decode steps about 25% slower than the same steps on the
-    loading thread (ad hoc A/B, docs/BENCHMARKS.md "Through Kafka vs offline").
+    between parallel regions instead of spinning, which slows every step
+    (docs/perf/worker-notes.md has the measurement).
     """
 
     def __init__(self, name: str = "engine") -> None:
@@ -137,7 +136,7 @@ class EngineLoop:
                     outputs = engine.step()
                 except Exception as exc:  # a bug must fail requests, not the worker
                     log.exception("engine step failed")
-                    outputs = self._fail_all(exc)
+                    outputs = self.fail_all(exc)
                 last_step_end = time.perf_counter()
                 stats = engine.last_stats
                 if stats.device_idle_s is not None:
@@ -176,7 +175,22 @@ class EngineLoop:
             except queue.Empty:
                 return errors, arrived
 
-    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+    def load(self) -> dict:
+        """What the worker reports as its load: running and waiting requests as of the last step,
+        and the KV cache's usage and prefix-cache counts as they are now."""
+        bm = self.engine.block_manager
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": bm.usage,
+            "hit_rate": bm.hit_rate,
+            "queries": bm.prefix_queries,
+            "hits": bm.prefix_hits,
+        }
+
+    def fail_all(self, exc: Exception) -> list[RequestOutput]:
+        """Finish every request the engine holds with an internal error (after a failed step);
+        returns their final outputs. Runs on the engine thread."""
         err = RequestError(f"internal engine error: {exc!r}", code="internal")
         outs: list[RequestOutput] = []
         for rid in list(self.engine.scheduler.requests):

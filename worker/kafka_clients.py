@@ -46,6 +46,22 @@ def producer_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
     return {**client_kwargs(kafka_cfg, client_id), "retry_backoff_ms": kafka_cfg.producer_retry_backoff_ms}
 
 
+def consumer_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
+    """The worker's request consumer: one group, manual commits, read_committed, fetch sizes from max_message_bytes."""
+    return {
+        **client_kwargs(kafka_cfg, client_id),
+        "group_id": kafka_cfg.group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "isolation_level": "read_committed",
+        "max_poll_interval_ms": kafka_cfg.max_poll_interval_ms,
+        "session_timeout_ms": kafka_cfg.session_timeout_ms,
+        "heartbeat_interval_ms": kafka_cfg.heartbeat_interval_ms,
+        "max_partition_fetch_bytes": max(kafka_cfg.max_message_bytes * 2, 1 << 20),
+        "fetch_max_bytes": max(kafka_cfg.max_message_bytes * 4, 50 << 20),
+    }
+
+
 async def check_kafka_access(kafka_cfg, client_id: str = "infinilm-check") -> None:
     """Log in to a bootstrap broker the way the worker's clients will, and read metadata.
 

@@ -8,9 +8,10 @@ with the cause. Kept free of engine imports (torch) for the same reason.
 
 from __future__ import annotations
 
-from worker.config import ConfigError, ServiceConfig
+from worker.config import ServiceConfig
+from worker.config_types import ConfigError
 from worker.kafka_clients import KafkaAccessError, check_kafka_access
-from worker.redis_state import RedisAuthError, RedisState
+from worker.state import RedisAuthError, RedisState
 
 # What check_access raises; each message names the cause and never a secret.
 ACCESS_ERRORS = (ConfigError, KafkaAccessError, RedisAuthError)

@@ -30,8 +30,8 @@ from bench.kernels.git_kernel import build_at_revision
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
 from engine import LLM
+from engine.kernels.cpu_build import cpu_kernels
 from engine.model_registry import resolve_model
-from engine.models.cpu_kernels import cpu_kernels
 
 DEFAULT_BASE = "b787c43"  # fused compact runs always 4 panels wide at one row, 2 at 2-4 rows
 KERNEL = "engine/models/csrc/panel_gemm.cpp"

@@ -35,8 +35,8 @@ from bench import roofline
 from bench.kernels.git_kernel import build_at_revision
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
-from engine.attention.cpu_paged import load_kernels
 from engine.attention.kv_int8 import quantize_rows
+from engine.kernels.cpu_build import load_kernels
 
 KERNEL = "engine/attention/csrc/paged_attention_cpu.cpp"
 INT8_KERNEL = "engine/attention/csrc/paged_attention_int8_cpu.cpp"

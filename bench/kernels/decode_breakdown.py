@@ -39,9 +39,9 @@ from bench import roofline
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, greedy, progress_bar
 from engine import LLM
+from engine.kernels.cpu_build import cpu_kernels
 from engine.model_registry import resolve_model
 from engine.models.config import ModelConfig
-from engine.models.cpu_kernels import cpu_kernels
 
 # decode_layers' arguments that belong to one step: x, slot_mapping, block_tables, seq_lens, positions.
 STEP_ARGS = (0, 4, 5, 6, 7)
@@ -190,7 +190,7 @@ def main() -> None:
     kv_row_bytes = roofline.kv_bytes_per_token(mc)
     probe = roofline.ReadProbe()
     data = {**run_info("bench.kernels.decode_breakdown", args.threads), "context": args.context,
-            "split_rows": model.decode_split_rows, "layer_flops_per_row": layer_flops, "weight_bytes": weight_bytes,
+            "split_rows": model.fused_decoder.split_rows if model.fused_decoder else None, "layer_flops_per_row": layer_flops, "weight_bytes": weight_bytes,
             "kv_row_bytes": kv_row_bytes, "batches": []}
     stride = (len(text) - args.context) // max(args.batches)
     with progress_bar("decode step and its parts", len(args.batches) * args.rounds) as advance:

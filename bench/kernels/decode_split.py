@@ -13,7 +13,7 @@ logprob is the same; this measures which is faster.
 One engine (SmolLM2-135M-Instruct, fp32, bench.throughput's headline options: packed fp32 panels, the default huge
 pages), `--batches` requests of 400 prompt tokens cut from bench.throughput's text, greedy, running together, with
 about `--tokens` (16) decode steps a round in which every request decodes. The two ways alternate round after round
-in one process (the model's `decode_split_rows`); a round's figure is the median of its full-batch decode steps (the
+in one process (the one-call decoder's `split_rows`); a round's figure is the median of its full-batch decode steps (the
 engine's own step time, LM head and sampling included), and the verdict is the median of the rounds' ratios, each
 against the other way's round next to it. A read probe after each pair of rounds gives the memory rate of that
 moment: the AMD dev VM's read rate moved between about 35 and 70 GB/s within seconds (the Intel one's stays near
@@ -40,9 +40,9 @@ from bench import roofline
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, greedy, progress_bar
 from engine import LLM
+from engine.kernels.cpu_build import cpu_kernels
 from engine.model_registry import resolve_model
 from engine.models.config import ModelConfig
-from engine.models.cpu_kernels import cpu_kernels
 
 PROMPT_TOKENS = 400
 MAX_BATCHED_TOKENS = 2048
@@ -94,15 +94,15 @@ def main() -> None:
               max_num_batched_tokens=MAX_BATCHED_TOKENS, cpu_prepack_weights=True, cpu_compact_weights=args.compact,
               kv_cache_memory_bytes=top * (PROMPT_TOKENS + args.tokens + top * PROMPT_TOKENS // MAX_BATCHED_TOKENS + 48) *
               roofline.kv_bytes_per_token(ModelConfig.from_folder(path)))
-    if llm.engine.model._fused_decode is None:
+    if llm.engine.model.fused_decoder is None:
         raise SystemExit("this model does not take the one-call decoder here; nothing to compare")
     ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     probe = roofline.ReadProbe()
     data = {**run_info("bench.kernels.decode_split", args.threads), "model": "smollm2", "tokens": args.tokens,
             "prompt_tokens": PROMPT_TOKENS,
             "weights": "compact panels" if args.compact else "fp32 panels", "batches": []}
-    model = llm.engine.model
-    before = model.decode_split_rows
+    decoder = llm.engine.model.fused_decoder
+    before = decoder.split_rows
     choice = llm.engine.decode_split  # what the engine measured at start and would use
     if choice is not None:
         data["engine_choice"] = {"rows_per_thread": choice.rows, "gemm_gflops": choice.gemm_gflops,
@@ -116,7 +116,7 @@ def main() -> None:
                 for r in range(args.rounds):
                     seconds = {}
                     for arm in (ARMS if r % 2 == 0 else reversed(ARMS)):
-                        model.decode_split_rows = ARMS[arm]
+                        decoder.split_rows = ARMS[arm]
                         seconds[arm], tokens[arm] = run_round(llm, prompts, args.tokens, f"b{batch}-r{r}-{arm}")
                         advance()
                     if tokens["joint"] != tokens["split"]:
@@ -124,7 +124,7 @@ def main() -> None:
                     rounds.append({**seconds, "read_gbps": probe()})
                 data["batches"].append({"batch": batch, "rounds": rounds})
     finally:
-        model.decode_split_rows = before
+        decoder.split_rows = before
     name = "decode_split_compact" if args.compact else "decode_split"
     write_json(f"kernels/{name}.json", data)
 
@@ -143,7 +143,7 @@ def main() -> None:
         name, "Decode steps, a group of rows per thread against all rows shared by every kernel "
         f"(SmolLM2-135M, {data['weights']}, CPU)", data,
         f"one engine, each batch's requests ({PROMPT_TOKENS} prompt tokens each, greedy) running together, "
-        f"about {args.tokens} full-batch decode steps a round; the model's `decode_split_rows` switches decode_layers "
+        f"about {args.tokens} full-batch decode steps a round; the one-call decoder's `split_rows` switches decode_layers "
         "between joint (every kernel shares all rows over the threads) and split (one contiguous group of rows "
         f"per thread, each run through every layer by its thread), alternating {args.rounds} rounds; a round's "
         "figure is the median of its full-batch decode steps (LM head and sampling included); the speed-up is "

@@ -2,7 +2,7 @@
 
 `build_at_revision("71f4fbc", ["engine/attention/csrc/paged_attention_cpu.cpp"], ["paged_decode_attention"])`
 returns an extension module compiled from those files at that commit, with the engine's own compiler
-flags (engine.attention.cpu_paged), under a name of its own so that it loads beside the current
+flags (engine.kernels.cpu_build), under a name of its own so that it loads beside the current
 kernels. Needs a git checkout that has the revision.
 """
 
@@ -30,10 +30,10 @@ def source_at(rev: str, path: str) -> str:
 def build_at_revision(rev: str, paths: list[str], functions: list[str]) -> ModuleType:
     from torch.utils.cpp_extension import load_inline
 
-    from engine.attention.cpu_paged import _build_flags
+    from engine.kernels.cpu_build import build_flags
 
     source = PRELUDE + "\n".join(source_at(rev, p) for p in paths)
-    flags = _build_flags()
+    flags = build_flags()
     digest = hashlib.sha1((source + " ".join(flags)).encode()).hexdigest()[:12]
     return load_inline(name=f"infinilm_bench_base_{digest}", cpp_sources=[source], functions=functions,
                        extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)

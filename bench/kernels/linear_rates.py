@@ -46,8 +46,8 @@ def median_seconds(reps: int, fn: Callable[..., object], *args: object) -> float
 
 def measure(rows: int, reps: int) -> dict[str, float]:
     """Summed over the five shapes, GFLOP/s of each path for `rows` rows."""
+    from engine.kernels.cpu_build import cpu_kernels
     from engine.models import linear as lin
-    from engine.models.cpu_kernels import cpu_kernels
 
     flops = sum(2 * rows * n * k for n, k in SHAPES.values())
     seconds: dict[str, float] = {"mkl": 0.0, "onednn": 0.0, "onednn_packed": 0.0, "skinny": 0.0, "panel": 0.0}

@@ -55,7 +55,7 @@ def build_weights(seed: int) -> list[dict[str, torch.Tensor | None]]:
 
 
 def one_pass(weights, xs: dict[int, torch.Tensor], arm: str, base=None) -> float:
-    from engine.models.cpu_kernels import cpu_kernels
+    from engine.kernels.cpu_build import cpu_kernels
     from engine.models.linear import linear
 
     t0 = time.perf_counter()

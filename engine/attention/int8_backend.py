@@ -10,8 +10,6 @@ rows, the difference that full precision makes, in chunks of queries to bound me
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.attention.kv_int8 import (
@@ -26,7 +24,6 @@ from engine.attention.masks import build_mask
 from engine.attention.metadata import AttentionMetadata, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend, place_prefill
 
-log = logging.getLogger(__name__)
 _QUERY_CHUNK = 256
 
 
@@ -115,7 +112,7 @@ class CpuPagedInt8AttentionBackend(TorchInt8AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        from engine.attention.cpu_paged import load_kernels
+        from engine.kernels.cpu_build import load_kernels
 
         self._ops = load_kernels()
 
@@ -140,17 +137,3 @@ class CpuPagedInt8AttentionBackend(TorchInt8AttentionBackend):
             kv_cache.window if win is not None else None,
             win.decode_slots if win is not None else None,
             win.decode_lo if win is not None else None)
-
-
-def select_int8_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                        head_dim: int) -> TorchInt8AttentionBackend:
-    """The backend for cache_bits 8: the C++ decode kernel on the CPU when it builds, else the
-    torch reference (also on CUDA, until a GPU kernel reads int8 KV)."""
-    if device.type == "cpu" and name in ("auto", "cpu_paged"):
-        from engine.attention.cpu_paged import kernels_available
-
-        if kernels_available():
-            return CpuPagedInt8AttentionBackend(num_heads, num_kv_heads, head_dim)
-    if name not in ("auto", "torch", "cpu_paged"):
-        log.warning("attention backend %r does not read an int8 KV cache; using the torch reference", name)
-    return TorchInt8AttentionBackend(num_heads, num_kv_heads, head_dim)

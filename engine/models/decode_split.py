@@ -10,15 +10,8 @@ That pays where each thread's GEMMs stay compute-bound on their own weight strea
 2 R flops per weight while it reads b bytes of it (4 for fp32 panels, about 0.6-1.1 for compact panels), so it
 is compute-bound from R >= b F / (2 W), F being the machine's fp32 GEMM rate and W the bytes per second that
 all its threads read together while each of them reads all of those weights at once, as a split step does (F and
-W both over all threads, which cancel). Measured with `.venv/bin/python -m bench.decode_split` (full-batch decode
-steps, split against joint):
-  - 2-core AMD EPYC VM (217 GFLOP/s, 31-70 GB/s of reads; 2026-12-05): 1.03-1.06x at batch 16-64 (8 rows a
-    thread and up), and ad hoc 0.88-1.02x at 4 rows a thread, hence the floor of MIN_ROWS. This probe came after
-    that machine; at its read rates the rule would give 7-14 rows, which is untested there;
-  - 2-core Intel Xeon VM (about 320 GFLOP/s; W 26-27 GB/s for fp32 panels; 2026-12-06 03:32 and 03:48 UTC):
-    0.82x at batch 16, 0.90-0.91x at 32, 0.99-1.00x at 48, 1.02-1.03x at 64, where the rule gives 24-25 rows a
-    thread (split from batch 48-50); with compact panels (0.625 bytes a weight) 0.98-1.01x at batch 16-64, and
-    the floor of 8.
+W both over all threads, which cancel). Below MIN_ROWS rows a thread the split did not pay on any machine measured
+(docs/perf/engine-notes.md, "Decode split", with `.venv/bin/python -m bench.kernels.decode_split`).
 The engine measures F and W once at start, in about 0.2 s (choose), unless the config fixes the rows
 (`cpu_decode_split_rows`).
 """
@@ -31,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.cpu_kernels import cpu_kernels
+from engine.kernels.cpu_build import cpu_kernels
 
 MIN_ROWS = 8  # below this many rows a thread the split did not pay on any machine measured
 MAX_ROWS = 256  # the panel kernel's largest batch: from here on the split never applies
-GEMM_SHAPE = (512, 576, 1536)  # rows, in, out: about 0.9 GFLOP, near the roof on both VMs
+GEMM_SHAPE = (512, 576, 1536)  # rows, in, out: about 0.9 GFLOP, near the machine's fp32 roof
 GEMM_REPS = 8
 GEMM_WARMUP_S = 0.1
 READ_REPS = 2
@@ -71,7 +64,7 @@ def _best(fn, reps: int) -> float:
 
 def measure_gemm_gflops() -> float:
     """The best of GEMM_REPS fp32 GEMMs of GEMM_SHAPE (torch.mm), in GFLOP/s, after GEMM_WARMUP_S of them: a
-    process's first GEMMs ran up to a fifth slower on the Intel dev VM."""
+    process's first GEMMs can run slower than its later ones."""
     m, k, n = GEMM_SHAPE
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)

@@ -1,12 +1,12 @@
 """Linear layers that pick the fastest CPU path for the batch at hand.
 
-Measured on the 2-core dev machine over SmolLM2's layer shapes with weights
-streamed from memory (bench numbers in docs/BENCHMARKS.md):
+Chosen over SmolLM2's layer shapes with weights streamed from memory (figures and
+commands: docs/perf/engine-notes.md, "Linear paths"):
 - 1-8 rows: a linear layer only streams its weight; BLAS picks slow paths
   there, so the skinny kernel of the CPU extension runs it at close to memory
-  bandwidth (2-4x faster than MKL);
-- 9-256 rows (decode batches): oneDNN's matmul on the plain weight is 10-30%
-  faster than MKL's sgemm, and about 1.4x on the LM head. oneDNN keeps a
+  bandwidth;
+- 9-256 rows (decode batches): oneDNN's matmul on the plain weight, faster
+  than MKL's sgemm, the LM head most of all. oneDNN keeps a
   compiled primitive (0.5-1 MB each) per input shape for the life of the
   process, up to 1024 of them, so every new row count grew the worker by that
   much, for hours (found by the fuzz suite's RSS check). Rows are padded up to
@@ -19,8 +19,8 @@ With `prepack` (engine option `cpu_prepack_weights`), each weight also gets a
 packed copy, which batches of 1-256 rows then read instead of the plain one.
 On AVX-512 CPUs that copy is in panels of 32 output columns for the panel
 kernel of the CPU extension (engine/models/csrc/panel_gemm.cpp), which runs
-a step's linears 1.2-2.0x as fast as the paths above at 1-64 rows and as fast
-at 128-256 (bench/panel_gemm.py), needs no padding and keeps no per-shape
+a step's linears faster than the paths above at 1-64 rows and as fast at
+128-256 (bench/kernels/panel_gemm.py), needs no padding and keeps no per-shape
 state; elsewhere it is oneDNN's
 blocked layout, so that oneDNN no longer re-lays the weight out on every call.
 It costs a second copy of the linear weights in memory; `bench.throughput`
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu_build import cpu_kernels
 from engine.models.compact_weights import is_compact, pack_compact
-from engine.models.cpu_kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8

@@ -12,28 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import hugepages
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.models import decode_split
+from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 from engine.models.compact_weights import is_compact
 from engine.models.config import ModelConfig
-from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
-from engine.models.linear import (
-    PANEL_MAX_ROWS,
-    Linear,
-    free_plain_weight,
-    invariant_enabled,
-    is_panel_packed,
-    linear,
-    packed_bytes,
-    prepack,
-    prepack_linears,
-    return_freed_memory,
-)
+from engine.models.linear import Linear, linear
 from engine.models.rope import RotaryEmbedding
-
-_EMPTY = torch.empty(0)  # an absent optional tensor argument of the compiled kernels
 
 
 class RMSNorm(nn.Module):
@@ -206,6 +191,10 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() maps flat token ids to hidden states; compute_logits() projects chosen rows."""
 
+    # Decode-only steps in one C++ call (engine.models.fused_decode.FusedDecoder), installed by the engine at
+    # start where it computes exactly what the layers do; None: the layers run.
+    fused_decoder = None
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -220,12 +209,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        if (not self.triton_fusions and self._fused_decode is not None
-                and self._fused_decode_applies(input_ids.shape[0], meta)):
-            # The final norm included, and the embedding lookup too where the table is a plain fp32 one.
-            table = self._fused_token_table()
-            x = input_ids if table is not None else self.embed_tokens(input_ids)
-            return self._fused_decode_layers(x, positions, kv_caches, meta, table)
+        fused = self.fused_decoder
+        if not self.triton_fusions and fused is not None and fused.applies(input_ids.shape[0], meta):
+            return fused(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         if self.triton_fusions:
             return self._triton_layers(x, positions, kv_caches, meta)
@@ -267,44 +253,6 @@ class LlamaForCausalLM(nn.Module):
                               residual if delta is not None else None)
         return out
 
-    # The weights of every layer, in decode_layers' order, when the whole decoder can run a
-    # decode-only step in one C++ call (engine/models/csrc/decode_layers.cpp); set by prepack_weights.
-    _fused_decode: list[torch.Tensor] | None = None
-    # Rows per thread from which decode_layers gives each thread its own group of rows (engine/models/
-    # decode_split.py); the engine sets it per machine at start.
-    decode_split_rows: int = decode_split.MIN_ROWS
-
-    def _fused_decode_applies(self, rows: int, meta: AttentionMetadata) -> bool:
-        workspace = self.layers[0].mlp.workspace
-        return (not meta.prefills and meta.kv_window is None and meta.num_decodes == rows
-                and 0 < rows <= PANEL_MAX_ROWS and (workspace is None or rows <= workspace.rows)
-                and not torch.is_grad_enabled() and not invariant_enabled())
-
-    def _fused_token_table(self) -> torch.Tensor | None:
-        """The embedding table, where decode_layers can gather the step's rows from it itself: a plain fp32 table
-        on the CPU (not quantized, offloaded or freed)."""
-        emb = self.embed_tokens
-        if type(emb) is not Embedding:
-            return None
-        w = emb.weight
-        if w.is_meta or w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
-            return None
-        return w.detach()
-
-    def _fused_decode_layers(self, x, positions, kv_caches, meta: AttentionMetadata,
-                             token_table: torch.Tensor | None = None) -> torch.Tensor:
-        cfg, attn = self.config, self.layers[0].self_attn
-        if isinstance(kv_caches[0], torch.Tensor):
-            values, scales = kv_caches, []
-        else:  # Int8KVCache: int8 values and their fp16 scales
-            values, scales = [c.values for c in kv_caches], [c.scales for c in kv_caches]
-        return cpu_kernels().decode_layers(
-            x.contiguous(), self._fused_decode, values, scales, meta.slot_mapping, meta.decode_block_tables,
-            meta.decode_seq_lens, positions, self.rope.cos, self.rope.sin, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cfg.intermediate_size, self.norm.eps, attn.backend.scale, self.norm.weight.detach(),
-            token_table if token_table is not None else _EMPTY,
-            self.decode_split_rows if not meta.multi_row_decodes else 1 << 30)
-
     @staticmethod
     def layer_linears(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
         """A decoder layer's projections in the order a step runs them: qkv, o, gate_up, down."""
@@ -315,103 +263,10 @@ class LlamaForCausalLM(nn.Module):
         SmolLM2, the LM head not included."""
         return [m for layer in self.layers for m in self.layer_linears(layer)]
 
-    def choose_decode_split(self) -> decode_split.SplitChoice | None:
-        """Measure this machine's GEMM rate and how fast it streams the layers' packed weights, and set
-        decode_split_rows from them (decode_split.choose); None where decode_layers does not run."""
-        if self._fused_decode is None:
-            return None
-        linears = self.decoder_linears()
-        choice = decode_split.choose([m.packed for m in linears], sum(m.in_features * m.out_features for m in linears))
-        self.decode_split_rows = choice.rows
-        return choice
-
-    def _enable_fused_decode(self) -> bool:
-        """Run decode-only steps through decode_layers where it computes exactly what the layers do:
-        fp32 on the CPU, every projection a plain Linear with a panel-packed copy, no q/k norms, the
-        C++ paged-attention backend over an fp32 or int8 cache (an int8 cache's full-precision window
-        takes the layer path step by step: _fused_decode_applies) and one norm epsilon."""
-        from engine.attention.cpu_paged import CpuPagedAttentionBackend
-        from engine.attention.int8_backend import CpuPagedInt8AttentionBackend
-
-        self._fused_decode = None
-        first = self.layers[0]
-        if (self.norm.weight.device.type != "cpu" or self.norm.weight.dtype != torch.float32
-                or self.rope.cos.dtype != torch.float32 or cpu_kernels() is None
-                or type(first.self_attn.backend) not in (CpuPagedAttentionBackend, CpuPagedInt8AttentionBackend)):
-            return False
-        eps = self.norm.eps
-        weights: list[torch.Tensor] = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = self.layer_linears(layer)
-            if (attn.q_norm is not None or attn.backend is not first.self_attn.backend
-                    or any(type(m) is not Linear or not is_panel_packed(m.packed) for m in linears)
-                    or any(m.bias is not None for m in linears[1:])
-                    or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps
-                    or layer.input_layernorm.weight.dtype != torch.float32):
-                return False
-            bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
-            weights += [layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, bias.detach(),
-                        attn.o_proj.packed, layer.post_attention_layernorm.weight.detach(),
-                        mlp.gate_up_proj.packed, mlp.down_proj.packed]
-        self._fused_decode = weights
-        return True
-
     def use_workspace(self, workspace: ActivationWorkspace | None) -> None:
         """Share one activation workspace among all layers (None: every MLP runs in one pass)."""
         for layer in self.layers:
             layer.mlp.workspace = workspace
-
-    def prepack_weights(self, compact: bool = True, free_plain: bool = False, only_compact: bool = False) -> int:
-        """Packed copies of the fp32 CPU linear weights (linear.prepack), the tied LM head included; bytes added.
-        `compact`: exact compact panels where a weight allows them (engine/models/compact_weights.py);
-        `only_compact`: no copy for the other weights; `free_plain`: then free the fp32 weights that compact
-        panels hold, the tied embedding table included (token lookups rebuild their rows: Embedding.forward)."""
-        added = prepack_linears(self, compact, free_plain, only_compact)
-        # A tied LM head with plain weights (a quantized table has its own kernels).
-        if (self.lm_head is None and type(self.embed_tokens) is Embedding
-                and (packed := prepack(self.embed_tokens.weight, compact, only_compact)) is not None):
-            self.embed_tokens.packed_head = packed
-            added += packed_bytes(packed, self.embed_tokens.weight)
-            if free_plain and free_plain_weight(self.embed_tokens, packed):
-                return_freed_memory()
-        self._enable_fused_decode()
-        return added
-
-    def move_decode_weights_to_huge_pages(self, fault_budget_s: float | None = None) -> tuple[int, int]:
-        """Move the weights a CPU decode step streams into one region of transparent huge pages
-        (engine/hugepages.py): each linear's panel-packed copy, else its fp32 weight, and the tied LM head's
-        (its packed copy, else the table). One tensor at a time, each original freed as its copy lands, so
-        the peak is the region plus one tensor. `fault_budget_s`: past it, the rest of the region takes 4 KiB
-        pages (HugePageArena). Returns the bytes moved and how many of the region's bytes had huge pages
-        asked for as they were faulted in ((0, 0) where huge pages are unavailable)."""
-        slots: list[tuple[nn.Module, str]] = []
-        for m in self.modules():
-            if type(m) is Linear:
-                if is_panel_packed(m.packed):
-                    slots.append((m, "packed"))
-                elif m.packed is None and m.weight.device.type == "cpu" and not m.weight.is_meta:
-                    slots.append((m, "weight"))
-        emb = self.embed_tokens
-        if self.lm_head is None and type(emb) is Embedding:
-            if is_panel_packed(emb.packed_head):
-                slots.append((emb, "packed_head"))
-            elif emb.packed_head is None and emb.weight.device.type == "cpu" and not emb.weight.is_meta:
-                slots.append((emb, "weight"))
-        arena = hugepages.arena_for([(getattr(m, a).shape, getattr(m, a).dtype) for m, a in slots], fault_budget_s)
-        if arena is None:
-            return 0, 0
-        moved = 0
-        for m, attr in slots:
-            old = getattr(m, attr)
-            new = arena.take(old.shape, old.dtype).copy_(old)
-            setattr(m, attr, nn.Parameter(new, requires_grad=False) if attr == "weight" else new)
-            moved += new.numel() * new.element_size()
-            del old
-        if self._fused_decode is not None:
-            self._enable_fused_decode()  # its weight list held the old copies
-        return_freed_memory()
-        return moved, min(arena.huge_bytes, moved)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

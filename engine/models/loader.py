@@ -77,10 +77,9 @@ def dummy_model(cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
 
 def load_model(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """A full-precision checkpoint; a quantized folder loads through engine.quant.checkpoint.load_quantized."""
     if cfg.quantization:
-        from engine.quant.checkpoint import load_quantized
-
-        return load_quantized(folder, cfg, backend, max_positions, dtype, device)
+        raise ModelLoadError(f"{folder} holds quantized weights: load it with engine.quant.checkpoint.load_quantized")
     model = empty_model(cfg, backend, max_positions, dtype, device)
     params = dict(model.named_parameters())
     fused_sizes = {

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.models.cpu_kernels import cpu_kernels, fused_cpu_ok
+from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

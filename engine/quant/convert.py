@@ -92,8 +92,8 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
     head = lm_head_name(model)
     if head == "embed_tokens":
         targets.append("embed_tokens")
-    # Activation-aware scaling pays for int4 only: on SmolLM2 it moved int8's GPL-3 perplexity by
-    # 0.02% (22.430 -> 22.426, fp32 22.345) for twice the quantization time.
+    # Activation-aware scaling pays for int4 only: int8's perplexity barely moves with it, for twice the
+    # quantization time (docs/perf/engine-notes.md).
     scale_inputs = calibrated and spec.bits == 4
     total = len(targets) + (cfg.num_layers if scale_inputs else 0)
     done = 0

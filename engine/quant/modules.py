@@ -26,7 +26,7 @@ _DEQUANT_SLICE = 1 << 24
 
 @cache
 def _kernels():
-    from engine.attention.cpu_paged import kernels_available, load_kernels
+    from engine.kernels.cpu_build import kernels_available, load_kernels
 
     return load_kernels() if kernels_available() else None
 

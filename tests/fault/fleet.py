@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devstack import StackConfig, delete_topics, ensure_topics
 from tests.integration.worker_harness import Topics, WorkerProcess, write_config
-from worker.stack import StackConfig, delete_topics, ensure_topics
 
 # Small timeouts so a dead member leaves the group in seconds, not the production 10 s + 3 s.
 FAULT_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "flush_interval_ms": 50}
@@ -55,8 +55,8 @@ class Site:
     @classmethod
     def on_local_stack(cls, prefix: str) -> Site:
         """For the bench scripts: the local stack (started if need be) and the tests' tiny llama in a temp folder."""
+        from devstack import stack_up
         from tests.conftest import write_tiny_model
-        from worker.stack import stack_up
 
         stack = StackConfig()
         stack_up(stack)

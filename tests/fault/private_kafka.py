@@ -1,6 +1,6 @@
 """A Kafka broker of our own, for the one fault the shared broker must never see: being stopped.
 
-It is a second stack (worker.stack) with its own free ports and state folder,
+It is a second stack (devstack) with its own free ports and state folder,
 sharing only the jar cache (no second Maven fetch). Its Redis port is the
 shared Redis, which `stack_up` reuses and `stack_down` leaves alone, since this
 state folder holds no Redis pid file: stopping this stack stops only its broker.
@@ -14,8 +14,8 @@ import signal
 import time
 from pathlib import Path
 
+from devstack import StackConfig, delete_topics, ensure_topics, stack_down, stack_status, stack_up
 from tests.integration.redis_server import free_port
-from worker.stack import StackConfig, delete_topics, ensure_topics, stack_down, stack_status, stack_up
 
 
 class PrivateKafka:

@@ -1,6 +1,6 @@
 """Fixtures for tests that talk to the real local stack (Kafka + Redis).
 
-The session starts the stack once through worker.stack.stack_up, the same code
+The session starts the stack once through devstack.stack_up, the same code
 path as `infinilm stack up` and CI, and leaves it running afterwards. Every
 test gets its own topics, consumer groups and transactional ids (uuid
 suffixes), so tests never see each other's records or offsets and can run in
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from devstack import StackConfig, StackStatus, delete_topics, ensure_topics, stack_up
 from tests.integration.worker_harness import WorkerProcess, make_topics, write_config
-from worker.stack import StackConfig, StackStatus, delete_topics, ensure_topics, stack_up
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Requests go in as a shell user would send them (JSON lines, `key<TAB>value`, `parse.key=true`); results
 come back through `ConsoleConsumer` with `isolation.level=read_committed` and are read with plain
-`json.loads`, never with our decoders. The key sets are those pinned in tests/unit/test_wire_contract.py.
+`json.loads`, never with our decoders. The key sets are those pinned in tests/unit/schemas/test_wire_contract.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_wire_contract import ASR_ERROR_KEYS, ERROR_KEYS, result_keys_ok
-from worker.stack import ensure_kafka_libs
+from devstack.kafka import ensure_kafka_libs
+from tests.unit.schemas.test_wire_contract import ASR_ERROR_KEYS, ERROR_KEYS, result_keys_ok
 
 pytestmark = pytest.mark.integration
 

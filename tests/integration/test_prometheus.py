@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.redis_server import free_port
 from tests.integration.worker_harness import chat, send_and_collect
-from tests.unit.test_ops_config import ALERTS, alert_rules, dashboard_exprs, metric_identifiers
+from tests.unit.ops.test_ops_config import ALERTS, alert_rules, dashboard_exprs, metric_identifiers
 
 pytestmark = pytest.mark.integration
 

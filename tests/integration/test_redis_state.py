@@ -1,4 +1,4 @@
-"""worker.redis_state against real Redis: the shared server of the local stack for the
+"""worker.state against real Redis: the shared server of the local stack for the
 index, heartbeats and ASR state, and private servers for outages and passwords.
 
 Every test on the shared server gets its own key prefix and deletes its keys
@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.integration.redis_server import PrivateRedis, free_port
-from worker.redis_state import RedisAuthError, RedisState, StateUnavailable, WorkerLoad
+from worker.state import RedisAuthError, RedisState, StateUnavailable, WorkerLoad
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -598,7 +598,7 @@ def test_wrong_password_is_a_clear_auth_error(
     right, wrong = "right-Pa55word-1f2e", "wrong-Pa55word-9c8d"
     server = private_redis(password=right)
     address = f"127.0.0.1:{server.port}"
-    caplog.set_level(logging.DEBUG, logger="worker.redis_state")
+    caplog.set_level(logging.DEBUG, logger="worker.state")
 
     async def expect_auth_error(url: str, password: str | None, leaked: str | None) -> None:
         state = RedisState(url, worker_id="w", model=MODEL, password=password, socket_timeout_s=1.0)

@@ -1,6 +1,6 @@
 """Authenticated Kafka and Redis: a private secured stack, real workers, real refusals.
 
-One broker for the module, started through worker.stack like every other stack,
+One broker for the module, started through devstack like every other stack,
 in its own state folder and on its own ports (the shared stack on 9092/6379 is
 never touched): SASL_PLAINTEXT and SASL_SSL listeners, both SCRAM-SHA-512, with
 users written at storage format time, and a redis-server with requirepass.
@@ -29,12 +29,13 @@ from aiokafka.errors import KafkaConnectionError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from devstack import StackConfig, StackError, ensure_topics, stack_down, stack_up
 from tests.integration.redis_server import free_port
 from tests.integration.worker_harness import Topics, WorkerProcess, chat, write_config
 from worker.client import RequestProducer, TopicReader, collect_results
-from worker.config import KafkaConfig, Secret
+from worker.config_sections import KafkaConfig
+from worker.config_types import Secret
 from worker.kafka_clients import KafkaAccessError, check_kafka_access
-from worker.stack import StackConfig, StackError, ensure_topics, stack_down, stack_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from worker.cli import app
-from worker.stack import (
+from cli import app
+from devstack import (
     DEFAULT_TOPICS,
     StackConfig,
     StackStatus,

@@ -113,20 +113,20 @@ def test_sigkill_one_of_two_workers_loses_nothing_and_duplicates_nothing(worker_
 @pytest.mark.slow
 def test_generation_longer_than_max_poll_interval_causes_no_rebalance(worker_setup, kafka_bootstrap):
     topics, start = worker_setup
-    # max_poll_interval 2.5 s; SmolLM2 on two cores needs well over that for 250 tokens on the engine's path
-    # without packed weight copies (the packed compact panels of the defaults decode several times as fast). It
-    # was 6 s until the AMD dev VM of 2026-12-05 ran the 250 tokens in 4.5 s.
+    # max_poll_interval 2.5 s; SmolLM2 without packed weight copies (the engine's slower path) needs more than
+    # that for 250 tokens on a small CPU host (docs/perf/worker-notes.md).
     w = start(model="smollm2", kafka={"max_poll_interval_ms": 2500}, memory={"cpu_prepack_weights": False})
     w.wait_ready(timeout=300)
     req = chat("long-one", "Write a long story about a lighthouse keeper.", max_tokens=250)
     got = asyncio.run(send_and_collect(kafka_bootstrap, topics, [(topics.chat, req, "json")], [req.id],
                                        timeout=240, linger=8))
     assert len(got.get("long-one", [])) == 1
-    took_ms = got["long-one"][0].timing.total_ms  # the worker's own time for the request, not the linger after it
-    assert took_ms > 2500, f"the generation took only {took_ms:.0f} ms, too short to prove anything"
     events = [e.get("event") for e in w.log_events()]
     assert events.count("partitions assigned") == 1, events
     assert "partitions revoked" not in events
+    took_ms = got["long-one"][0].timing.total_ms  # the worker's own time for the request, not the linger after it
+    if took_ms <= 2500:
+        pytest.skip(f"the generation took {took_ms:.0f} ms, within max_poll_interval: it proves nothing on this host")
 
 
 def test_results_keep_flowing_while_redis_is_down(worker_setup, kafka_bootstrap, tmp_path):

@@ -25,7 +25,8 @@ from tests.integration.redis_server import free_port
 from worker.client import RequestProducer, TopicReader, collect_results
 
 REPO = Path(__file__).resolve().parents[2]
-INFINILM = Path(sys.executable).parent / "infinilm"
+# `infinilm` from this checkout, whatever console script the environment has installed.
+INFINILM = [sys.executable, "-m", "cli"]
 
 
 @dataclass
@@ -80,7 +81,7 @@ class WorkerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's life
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
-            [str(INFINILM), "worker", "--config", str(self.config), "--worker-id", self.worker_id,
+            [*INFINILM, "worker", "--config", str(self.config), "--worker-id", self.worker_id,
              "--metrics-port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
         )

@@ -20,7 +20,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.gguf_import import import_gguf
+from engine.gguf_import.importer import import_gguf
 from engine.model_registry import ALIASES, resolve_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -24,7 +24,7 @@ import time
 from engine import MaskSpec, RequestError, RequestOutput, SamplingParams
 from schemas import AsrRequest, Result, SchemaError, Usage, decode_result, encode
 from worker.handlers import HandlerContext, Prepared, Work
-from worker.redis_state import StateUnavailable
+from worker.state import StateUnavailable
 
 INSTRUCTION = ("You correct speech-recognition transcripts. Fix misheard words, casing and punctuation in the new "
                "chunk so it reads well after the transcript so far. Reply with the corrected chunk only.")

@@ -237,10 +237,9 @@ struct Fp32Rows {
 // ceil(BS / 2) + row / 2 send lines [cut2[r], cut2[r + 1]) of the next V block to L1 (pv_heads, which takes
 // a group's heads together, walks the group's entries HG at a time, one step per pair of rows). A Rows type
 // with kPrefetchPerRow false (the int8 cache's, whose blocks are a quarter of the lines) sends each group's
-// lines at once, before its rows, and saves the per-step bookkeeping. Until 2026-12-04 they
-// went out a KV head's share at a time (64 lines at once for SmolLM2's heads); spread, a step at batch 32-64
-// runs 1.13-1.17x as fast on KV streamed from memory (bench.decode_attention --base), the likely reason
-// being that a burst of misses fills the core's line-fill buffers and the computation's own loads wait.
+// lines at once, before its rows, and saves the per-step bookkeeping. Spread rather than a KV head's share at
+// once, because a burst of misses fills the core's line-fill buffers and the computation's own loads wait
+// (figures: docs/perf/engine-notes.md, "Decode attention prefetch").
 struct PrefetchPlan {
   std::vector<int64_t> cut, cut2;
   PrefetchPlan(int64_t lines, int64_t BS, int64_t H) {
@@ -312,10 +311,8 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
     // Lines of the next K block go to L1, lines of this V block and of the K block after next to L2 (with
-    // whatever else the blocks need). The K block two ahead, added 2026-12-05: 1.25-1.29x at batch 16-48 on
-    // the AMD EPYC dev VM (bench.decode_attention --base 40afe90), where one block ahead left each thread's
-    // KV stream at about a third of the machine's read rate; three ahead instead gave 1.14x, and this V
-    // block's successor as well 1.19x.
+    // whatever else the blocks need). Two K blocks ahead: one ahead leaves each thread's KV stream well below
+    // the machine's read rate, and three ahead does worse than two (docs/perf/engine-notes.md).
     const char* kpf = i + 1 < nblk ? src.span(0, table[i + 1]) : nullptr;
     const char* vpf = src.span(1, table[i]);
     const char* kpf2 = i + 2 < nblk ? src.span(0, table[i + 2]) : nullptr;
@@ -377,7 +374,7 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
     const char* vpf = i + 1 < nblk ? src.span(1, table[i + 1]) : nullptr;
-    // Likewise the V block after next to L2 (1.04-1.06x at batch 16-64 over cdc206f, bench.decode_attention).
+    // Likewise the V block after next to L2 (docs/perf/engine-notes.md).
     const char* vpf2 = i + 2 < nblk ? src.span(1, table[i + 2]) : nullptr;
     for (int64_t kh = 0; kh < KVH; ++kh) {
       const auto rows = src.template pass2_rows<NV>(table[i], n, kh, scratch, ptrs);
@@ -402,7 +399,7 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
 // Every sequence of the batch by decode_seq_512, one task per sequence; q and out [B, H, D] fp32.
 // Threads take sequences longest first from a shared counter. A batch's contexts differ by up to
 // tens of times, so a static split of the batch into equal counts can leave one thread with most
-// of the KV to read (bench/decode_attention.py times this against the equal-halves split). A
+// of the KV to read (bench/kernels/decode_attention.py times this against the equal-halves split). A
 // sequence's result does not depend on which thread computes it.
 template <typename Rows>
 static void decode_batch_avx512(float* op, const float* qp, const Rows& src, const int64_t* bt, const int64_t* sl,

@@ -9,8 +9,8 @@
 // for that form, so a weight with arbitrary values costs about one group per thread. The packer then rebuilds
 // the panels with the kernel's own code (rebuild_panel) and compares them bit for bit with the weight
 // (compact_panels_match), so the search cannot make a panel wrong, only fail to find one. Nothing
-// weight-sized is allocated besides the panels: on a VM where fresh memory is slow to fault in, packing
-// SmolLM2 took 0.8-6 s through torch tensors.
+// weight-sized is allocated besides the panels: where fresh memory is slow to fault in, packing through torch
+// temporaries costs seconds (docs/perf/engine-notes.md).
 
 #if defined(__AVX512F__)
 #include <cstring>

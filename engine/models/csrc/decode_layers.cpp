@@ -54,19 +54,15 @@ static int64_t layer_flops_per_row(int64_t hidden, int64_t q_size, int64_t kv_si
 
 // How decode_layers splits a step's B rows: the cut points [0, c1, ..., B] of contiguous groups, one per thread,
 // with about equal work, a row's work being its linears (flops_per_row) and its attention's KV reads (lens[b]
-// context rows of kv_row_bytes each), weighed at one core's rates on the dev VM (about 100 GFLOP/s and 15 GB/s
-// of KV); or {0, B}, one group, below split_rows rows a thread or with one thread.
+// context rows of kv_row_bytes each), weighed at one core's typical rates (about 100 GFLOP/s and 15 GB/s of
+// KV); or {0, B}, one group, below split_rows rows a thread or with one thread.
 //
 // Why: with one group, each kernel of a layer shares its rows out over the threads and the threads meet at the
 // end of every kernel, about 240 times a step; with a group per thread, each thread runs its rows through every
-// layer and the threads meet once, at the end. Full-batch decode steps of SmolLM2-135M on the 2-core AMD EPYC VM:
-// 1.03-1.06x as fast at batch 16-64, medians of alternating rounds, 1.09-1.17x in rounds at fast memory moments
-// (bench/decode_split.py, 2026-12-05 23:02 UTC); ad hoc at batch 8 (4 rows a thread), 0.88-1.02x. A thread's
-// GEMMs and attention on its half of the rows each took a little less time than the whole machine's on all of
-// them. The price is that every thread streams the whole weight for its own rows: on the 2-core Intel Xeon VM
-// (30 GB/s of reads against 330 GFLOP/s), 0.82x at batch 16, 0.91x at 32, 0.99x at 48 and 1.02x at 64 (same
-// benchmark, 2026-12-06 03:32 and 03:48 UTC). The engine therefore picks split_rows per machine (engine/models/
-// decode_split.py): the rows from which a thread's GEMMs on its own copy of the weight stream are compute-bound.
+// layer and the threads meet once, at the end. The price is that every thread streams the whole weight for its
+// own rows, which loses where reads are slow against the GEMM rate (docs/perf/engine-notes.md, "Decode split").
+// The engine therefore picks split_rows per machine (engine/models/decode_split.py): the rows from which a
+// thread's GEMMs on its own copy of the weight stream are compute-bound.
 // Every kernel computes a row the same way whatever rows share its call, so the results are bitwise the same
 // either way.
 static std::vector<int64_t> row_groups(const int64_t* lens, int64_t B, int64_t threads, int64_t flops_per_row,

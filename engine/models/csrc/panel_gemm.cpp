@@ -6,7 +6,7 @@
 // a task computes every row of x against it in register tiles of up to 12 rows x 32 columns
 // (24 accumulators); the panel is read once from memory and then from L2, and while a panel is
 // computed the next one is prefetched into L2, spread over the tiles' K steps, so the weight
-// stream overlaps the arithmetic. Measured in bench/panel_gemm.py.
+// stream overlaps the arithmetic. Measured in bench/kernels/panel_gemm.py.
 //
 // Every output element is one FMA chain over k = 0..K-1 in order, then + bias: a row's result
 // does not depend on how many rows share the call, how they are tiled or which thread runs them.
@@ -27,11 +27,8 @@ namespace panel_gemm {
 constexpr int64_t kCols = 32;
 constexpr int kMaxTileRows = 12;
 // Calls with fewer rows prefetch page heads (tile's PF = kPageHeads) rather than the next panel: 8 on AMD CPUs,
-// 2 (single rows only) on the others. Measured with `bench.panel_gemm --base REV --huge-pages`, all of a step's
-// linears: on the AMD EPYC dev VM page heads ran 1-7 rows 1.04-1.27x faster than the next panel's spread
-// prefetch (commit ed8ebfd); on the Intel Xeon dev VM of 2026-12-06 they ran 2, 3, 4 and 6 rows 1.05-1.17x,
-// 1.09-1.16x, 1.35-1.37x and 1.48-1.49x slower (two runs, medians of 25 alternating rounds' ratios) and single
-// rows alike (1.00-1.01x).
+// 2 (single rows only) on the others: page heads beat the next panel's spread prefetch for few rows on AMD
+// CPUs and lose from 2 rows up on Intel ones (docs/perf/engine-notes.md, "Panel GEMM page heads").
 static int64_t page_head_rows() {
   static const int64_t rows = [] {
     __builtin_cpu_init();
@@ -47,10 +44,8 @@ constexpr int64_t kPageHeadAhead = 16384;
 // time its loads are kPageHeadAhead bytes short of a 4 KiB boundary, the first two lines past that boundary to L2.
 // Such a call is bound by the weight stream alone (a K step is a few cycles), and each thread reads one
 // contiguous run of panels: the hardware prefetcher carries the stream within a page but does not cross into
-// the next 4 KiB page, and two lines there restart it early. Against the spread prefetches of the next panel,
-// on the AMD EPYC dev VM (30 layers' linears and the LM head, 65-69 GB/s moments; ad hoc, then
-// bench.panel_gemm): 1.10x at 1 row, 1.14x at 2, 1.04x at 4 in 4 KiB pages; 1.10x, 1.27x, 1.17x in huge
-// pages, where leaving the tile no prefetch at all does about as well as page heads.
+// the next 4 KiB page, and two lines there restart it early. In huge pages, leaving the tile no prefetch at all
+// does about as well as page heads (docs/perf/engine-notes.md).
 // Otherwise the tile sends the first `lines` lines from `prefetch` to L2: PF = 1 or 2 a K step from k = 0
 // (lines <= PF * K); PF = 0 spreads fewer lines than steps evenly over the steps, one every K / lines (16.16 fixed point).
 // Bunched into the first steps, a share asks for lines faster than one core's misses can be served (one
@@ -280,9 +275,8 @@ static constexpr std::array<std::array<FusedFn, kMaxFusedWidth + 1>, kFusedMaxRo
 // out in contiguous equal counts (at::parallel_for), so the width is the one, up to fused_width(rows), that leaves
 // the busiest thread the fewest panels, the widest of those (more independent FMA chains). SmolLM2's o_proj and
 // down_proj have 18 panels: four wide that is five runs, three on one thread of two (12 panels against 6); three
-// wide it is six runs, nine panels each. Every output is the same FMA chain whatever the width. A decode step's
-// linears on SmolLM2's compact panels against always 4 (2) wide: 1.08x at one row, 1.03x at 2 and 4 (Intel Xeon VM,
-// `.venv/bin/python -m bench.compact_linears --rows 1 2 4 8 --rounds 40`, 2026-12-06).
+// wide it is six runs, nine panels each. Every output is the same FMA chain whatever the width. Faster than a
+// fixed width of 4 (2) at 1-4 rows (docs/perf/engine-notes.md, "Fused run width").
 static int fused_run_width(int64_t rows, int64_t P, int64_t threads) {
   const int widest = fused_width(static_cast<int>(rows));
   int best = widest;
@@ -454,9 +448,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   // into L2, spread over its K steps: one line per step,
   // or two where a single tile holds every row from 4 rows up (the panel's lines are 2 x K, so one line
   // per step would leave half of it to the hardware prefetcher). Below 4 rows a step is too short for two.
-  // From 3 tiles up a share is fewer lines than steps, and goes out evenly over all of them (tile<.., 0>):
-  // 1.06-1.14x at 32-64 rows over sending one a step from k = 0, bitwise the same.
-  // `.venv/bin/python -m bench.panel_gemm --base REV` times this against an earlier commit's kernel.
+  // From 3 tiles up a share is fewer lines than steps, and goes out evenly over all of them (tile<.., 0>),
+  // faster than one a step from k = 0 and bitwise the same (docs/perf/engine-notes.md).
+  // `.venv/bin/python -m bench.kernels.panel_gemm --base REV` times this against an earlier commit's kernel.
   // Below page_head_rows() rows, fp32 panels' tiles send page heads instead (tile<.., kPageHeads>, which says why).
   const bool page_heads = !compact && M < page_head_rows();
   const int64_t panel_lines = page_heads ? 0 : panel_bytes / 64;

@@ -7,8 +7,8 @@
 //
 // Decode-sized batches only stream the weights, so reading 1 or 1/2 byte per weight instead of 4
 // is the whole gain. Each task dequantizes four weight rows into an L1 scratch and reuses them for
-// every row of x. torch's packed int8/int4 CPU ops were measured 7-50x slower than fp32 on our
-// AVX2 machines (they are tuned for AVX-512), hence this kernel.
+// every row of x. torch's packed int8/int4 CPU ops are slower than fp32 on AVX2 machines (they are
+// tuned for AVX-512; docs/perf/engine-notes.md), hence this kernel.
 //
 // Every output element is computed by the same sequence of operations (two FMA chains over K in
 // 16-float steps, one 8-float step, the horizontal sum, then the scalar tail), whatever the number

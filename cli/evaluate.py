@@ -1,0 +1,76 @@
+"""`infinilm eval ...`: quality measurements run through the engine (`eval ppl`: perplexity)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+
+from cli.model import _fail
+
+
+def ppl_command(
+    text: Path = typer.Option(..., "--text", "-t", exists=True, dir_okay=False, readable=True,
+                              help="Plain-text file to score (for example /usr/share/common-licenses/GPL-3)."),
+    model: str = typer.Option("smollm2", "--model", "-m",
+                              help="Model alias, Hugging Face folder, .gguf file, or a folder from `infinilm quantize`."),
+    quant: int = typer.Option(16, "--quant", "-q",
+                              help="Weight bits: 16 runs the checkpoint as stored; 8 or 4 quantize it while loading."),
+    cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8 (int8)."),
+    kv_fp_window: int = typer.Option(0, "--kv-fp-window",
+                                     help="With --cache-bits 8: recent rows per sequence kept at full precision."),
+    calib: Path | None = typer.Option(None, "--calib", exists=True, dir_okay=False, readable=True,
+                                      help="Calibration file for --quant 8/4 (default: the bundled text)."),
+    context: int = typer.Option(1024, "--context", help="Tokens per window."),
+    stride: int = typer.Option(512, "--stride", help="Tokens between window starts (<= --context)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Score only the first N tokens of the text."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (fp32 on CPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity of a text under the engine, with a sliding window (every token after the first is
+    scored once, with up to CONTEXT - STRIDE tokens of context carried over)."""
+    if quant not in (16, 8, 4):
+        raise _fail(f"--quant must be 16, 8 or 4, got {quant}")
+    if context < 2 or not 1 <= stride <= context:
+        raise _fail(f"need --context >= 2 and 1 <= --stride <= --context; got {context} and {stride}")
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from engine import LLM
+    from engine.errors import ModelLoadError, RequestError
+    from engine.model_registry import ModelNotFoundError
+    from engine.perplexity import perplexity
+
+    try:
+        llm = LLM(model, dtype=dtype, weight_bits=quant, cache_bits=cache_bits, kv_fp_window=kv_fp_window,
+                  calibration_file=str(calib) if calib else None,
+                  max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
+    except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    ids = llm.tokenizer.encode(text.read_text(errors="replace"))[:max_tokens]
+    if len(ids) < 2:
+        raise _fail(f"{text} holds {len(ids)} token(s); perplexity needs at least 2")
+    start = time.perf_counter()
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("scoring windows", total=None)
+        result = perplexity(llm, ids, context, stride,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    seconds = time.perf_counter() - start
+    if as_json:
+        typer.echo(json.dumps({"model": model, "weight_bits": quant, "cache_bits": cache_bits,
+                               "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
+                               "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
+                               "windows": result.num_windows, "context": context, "stride": stride,
+                               "seconds": round(seconds, 2)}))
+    else:
+        typer.echo(f"perplexity {result.perplexity:.4f} over {result.num_scored} tokens "
+                   f"({result.num_windows} windows of {context}, stride {stride}) in {seconds:.1f}s")
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Measure model quality through the engine.", no_args_is_help=True)
+    group.command("ppl")(ppl_command)
+    app.add_typer(group, name="eval")

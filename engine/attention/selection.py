@@ -1,0 +1,73 @@
+"""Which attention backend runs: by name, or `auto` for the fastest one that works on the device.
+
+Implementations are imported when chosen, so an unused GPU backend's libraries are never loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt8AttentionBackend
+
+log = logging.getLogger(__name__)
+
+
+def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int = 16) -> AttentionBackend:
+    """`auto` picks the fastest backend that works on the device.
+
+    CUDA: flash-attn when installed (and the block size suits its paged KV), else
+    our Triton kernels, else torch. CPU: the C++ paged kernels when they build,
+    else torch.
+    """
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    if name == "auto":
+        if device.type == "cuda":
+            from engine.attention.flash_backend import flash_available
+
+            name = "flash_attn" if flash_available(device, block_size) else ("triton" if _triton_ok() else "torch")
+        else:
+            from engine.kernels.cpu_build import kernels_available
+
+            name = "cpu_paged" if kernels_available() else "torch"
+    if name == "cpu_paged":
+        from engine.attention.cpu_paged import CpuPagedAttentionBackend
+
+        return CpuPagedAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name == "flash_attn":
+        from engine.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, cpu_paged, triton, flash_attn")
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_int8_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> TorchInt8AttentionBackend:
+    """The backend for cache_bits 8: the C++ decode kernel on the CPU when it builds, else the
+    torch reference (also on CUDA, until a GPU kernel reads int8 KV)."""
+    if device.type == "cpu" and name in ("auto", "cpu_paged"):
+        from engine.kernels.cpu_build import kernels_available
+
+        if kernels_available():
+            return CpuPagedInt8AttentionBackend(num_heads, num_kv_heads, head_dim)
+    if name not in ("auto", "torch", "cpu_paged"):
+        log.warning("attention backend %r does not read an int8 KV cache; using the torch reference", name)
+    return TorchInt8AttentionBackend(num_heads, num_kv_heads, head_dim)

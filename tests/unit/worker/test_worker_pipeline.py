@@ -1,0 +1,191 @@
+"""One request's path through the worker's parts: intake -> in-flight table -> completion -> tracker.
+
+No engine, no Kafka: a fake engine loop records the jobs and aborts it is given, and the
+test hands completion the engine events a real loop would deliver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from aiokafka import TopicPartition
+from prometheus_client import CollectorRegistry
+
+from engine import RequestError, RequestOutput, SamplingParams
+from schemas import Result, decode_result
+from worker.batcher import make_batcher
+from worker.completion import Completion
+from worker.config import ServiceConfig
+from worker.engine_loop import EngineEvent
+from worker.handlers import HandlerContext, Prepared, Work
+from worker.inflight import InFlightTable
+from worker.intake import Intake
+from worker.metrics import WorkerMetrics
+from worker.offsets import PartitionTracker
+
+TOPIC = "requests"
+TP = TopicPartition(TOPIC, 0)
+
+
+class FakeEngineLoop:
+    def __init__(self) -> None:
+        self.jobs: list[str] = []
+        self.aborted: list[str] = []
+
+    def submit(self, jobs) -> None:
+        self.jobs.extend(j.request_id for j in jobs)
+
+    def abort(self, ids) -> None:
+        self.aborted.extend(ids)
+
+
+class TwoRounds:
+    """A chat handler stand-in: two jobs, then a second round of one, then the result."""
+
+    kind = "chat"
+
+    async def prepare(self, request, ctx) -> Prepared:
+        return Prepared(work=[Work([1, 2, 3], SamplingParams(max_tokens=4)) for _ in range(2)])
+
+    async def finish(self, request, prepared, outputs, ctx):
+        if len(outputs) == 2:
+            return Prepared(work=[Work([4, 5], SamplingParams(max_tokens=4))])
+        return Result(id=request.id, kind="chat", text=outputs[0].text)
+
+
+class RefusesAsr:
+    kind = "asr"
+    defer_prepare = True
+
+    async def prepare(self, request, ctx) -> Prepared:
+        raise RequestError("no predecessor", code="bad_request")
+
+
+class FakePartitions:
+    def __init__(self) -> None:
+        self.trackers = {TP: PartitionTracker(TOPIC, 0, start_offset=0)}
+
+    def update_pause(self) -> None:
+        pass
+
+    def fetched_before_setup(self, tp, offset) -> None:
+        raise AssertionError("the partition is set up")
+
+
+def _parts(batcher=None, max_running: int = 64):
+    config = ServiceConfig()
+    topics = SimpleNamespace(request_topics={"chat": TOPIC}, results="results", deltas="deltas", dlq="dlq")
+    metrics = WorkerMetrics(CollectorRegistry())
+    ctx = HandlerContext(tokenizer=None, max_model_len=512, max_num_batched_tokens=512, worker_id="w1",
+                         model_name="m", config=config, metrics=metrics)
+    engine_loop, partitions, ready = FakeEngineLoop(), FakePartitions(), asyncio.Event()
+    batcher = make_batcher("fifo", max_batch_size=1, batch_timeout_s=0.0) if batcher is None else batcher
+    table = InFlightTable(batcher, engine_loop, metrics, on_failed=lambda fl, code, msg: completion.complete_failure(
+        fl, code, msg), max_running=max_running)
+    completion = Completion(table=table, trackers=partitions.trackers, deltas=None, ctx=ctx, metrics=metrics,
+                            topics=topics, log_prompts=False, redis=None, results_ready=ready,
+                            on_progress=partitions.update_pause)
+    intake = Intake(consumer=None, partitions=partitions, handlers={"chat": TwoRounds(), "asr": RefusesAsr()}, ctx=ctx, table=table,
+                    completion=completion, metrics=metrics, dlq_topic="dlq", max_message_bytes=1 << 20,
+                    results_ready=ready)
+    return intake, table, completion, engine_loop, partitions.trackers[TP], ready
+
+
+def _record(offset: int, value: bytes):
+    return SimpleNamespace(topic=TOPIC, partition=0, offset=offset, value=value, key=None,
+                           headers=[("content-type", b"application/json")])
+
+
+def _done(engine_id: str, text: str) -> RequestOutput:
+    return RequestOutput(engine_id, None, [], [], text, [], text, finished=True, finish_reason="stop")
+
+
+async def _a_request_with_a_second_round():
+    intake, table, completion, engine_loop, tracker, ready = _parts()
+    chat = b'{"id": "c1", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    assert await intake.take(_record(0, chat))
+    assert engine_loop.jobs == ["requests/0/0/0", "requests/0/0/1"] and len(table) == 2
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/0", "a")]))
+    assert len(table) == 1 and tracker.release() is None
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/1", "b")]))
+    assert engine_loop.jobs[2:] == ["requests/0/0/r2/0"] and len(table) == 1  # the second round
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/r2/0", "final")]))
+    assert len(table) == 0 and ready.is_set()
+    release = tracker.release()
+    [record] = release.records
+    result = decode_result(record.value)
+    assert (record.topic, record.key, result.id, result.text, result.worker) == ("results", b"c1", "c1", "final", "w1")
+
+
+async def _a_failed_job_aborts_its_sibling_and_answers_once():
+    intake, table, completion, engine_loop, tracker, _ = _parts()
+    chat = b'{"id": "c2", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    await intake.take(_record(0, chat))
+    failed = _done("requests/0/0/0", "")
+    failed.error, failed.finish_reason = SimpleNamespace(code="internal", message="boom"), "error"
+    await completion.on_engine_event(EngineEvent(outputs=[failed, _done("requests/0/0/1", "late")]))
+    assert engine_loop.aborted == ["requests/0/0/0", "requests/0/0/1"] and len(table) == 0
+    [record] = tracker.release().records
+    result = decode_result(record.value)
+    assert (result.status, result.error.code, result.error.message) == ("error", "internal", "boom")
+
+
+async def _an_undecodable_record_is_dead_lettered_and_a_bad_request_answered():
+    intake, table, _, engine_loop, tracker, _ = _parts()
+    assert await intake.take(_record(0, b"\x00\x01 not json"))
+    assert await intake.take(_record(1, b'{"id": "bad", "kind": "chat"}'))
+    assert not engine_loop.jobs and len(table) == 0
+    dead, answered = tracker.release().records
+    assert dead.topic == "dlq" and answered.topic == "results"
+    assert decode_result(answered.value).error.code == "bad_request"
+
+
+async def _an_asr_error_is_keyed_by_its_stream_and_carries_its_seq():
+    intake, _, _, _, tracker, _ = _parts()
+    asr = b'{"id": "a1", "kind": "asr", "stream_id": "s9", "seq": 3, "text": "hello"}'
+    assert await intake.take(_record(0, asr))
+    await asyncio.gather(*intake.preparing)  # the asr handler prepares beside the consume loop
+    [record] = tracker.release().records
+    result = decode_result(record.value)
+    assert (record.key, result.stream_id, result.seq, result.status) == (b"s9", "s9", 3, "error")
+
+
+def test_a_request_with_a_second_round():
+    asyncio.run(_a_request_with_a_second_round())
+
+
+def test_a_failed_job_aborts_its_sibling_and_answers_once():
+    asyncio.run(_a_failed_job_aborts_its_sibling_and_answers_once())
+
+
+def test_an_undecodable_record_is_dead_lettered_and_a_bad_request_answered():
+    asyncio.run(_an_undecodable_record_is_dead_lettered_and_a_bad_request_answered())
+
+
+def test_an_asr_error_is_keyed_by_its_stream_and_carries_its_seq():
+    asyncio.run(_an_asr_error_is_keyed_by_its_stream_and_carries_its_seq())
+
+
+async def _the_batcher_holds_work_only_while_the_engine_is_full():
+    # A window that would hold every job for a minute, in front of an engine that runs 3 jobs at once.
+    batcher = make_batcher("dynamic_bucket", max_seq_len=512, max_batch_size=16, batch_timeout_s=60.0)
+    intake, table, completion, engine_loop, _, _ = _parts(batcher, max_running=3)
+    chat = b'{"id": "c%d", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    assert await intake.take(_record(0, chat % 0))
+    assert engine_loop.jobs == ["requests/0/0/0", "requests/0/0/1"]  # no wait: the engine had room
+    assert await intake.take(_record(1, chat % 1))
+    assert engine_loop.jobs[2:] == ["requests/0/1/0"] and len(batcher) == 1  # full: the last job waits
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/0", "a")]))
+    assert table.room() == 1 and len(batcher) == 1
+    stopping = asyncio.Event()
+    timer = asyncio.create_task(table.run_batch_timer(stopping))
+    await asyncio.sleep(0.05)  # one turn of the timer, woken by the finished job
+    stopping.set()
+    table._wakeup.set()
+    await timer
+    assert engine_loop.jobs[3:] == ["requests/0/1/1"] and len(batcher) == 0 and table.room() == 0
+
+
+def test_the_batcher_holds_work_only_while_the_engine_is_full():
+    asyncio.run(_the_batcher_holds_work_only_while_the_engine_is_full())

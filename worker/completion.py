@@ -1,0 +1,184 @@
+"""Completion: engine events become deltas, results and metrics.
+
+The outputs task reads the engine loop's events. A job's text goes out as a best-effort
+delta; when every job of a request has finished, its handler turns the outputs into a
+Result (or into a second round of work, handed back to the in-flight table for the
+engine). A finished Result gets its timing, worker and model, and goes to its
+partition's tracker, where the flusher picks it up; intake hands over the requests it
+answers without the engine (errors, immediate results) the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+import structlog
+from aiokafka import TopicPartition
+
+from engine import RequestError, RequestOutput
+from schemas import Delta, ErrorCode, Result, Timing, encode, error_result, result_key
+from worker.engine_loop import EngineEvent
+from worker.handlers import HandlerContext, Prepared
+from worker.inflight import InFlight, InFlightTable
+from worker.metrics import WorkerMetrics
+from worker.offsets import OutRecord, PartitionTracker
+from worker.publisher import DeltaPublisher
+
+log = structlog.get_logger("infinilm.worker")
+CONTENT_TYPE = {"json": b"application/json", "msgpack": b"application/msgpack"}
+
+
+class Completion:
+    def __init__(self, *, table: InFlightTable, trackers: dict[TopicPartition, PartitionTracker],
+                 deltas: DeltaPublisher, ctx: HandlerContext, metrics: WorkerMetrics, topics,
+                 log_prompts: bool, redis, results_ready: asyncio.Event,
+                 on_progress: Callable[[], None], speculative: bool = False) -> None:
+        """`trackers`: the partitions' trackers, owned by partitions.Partitions; `results_ready`: the
+        flusher's signal that a tracker got a finished result; `on_progress`: flow control, called
+        after each engine event; `speculative`: the engine drafts, so its metrics are kept."""
+        self.table = table
+        self.trackers = trackers
+        self.deltas = deltas
+        self.ctx = ctx
+        self.metrics = metrics
+        self.topics = topics
+        self._kind_topics = topics.request_topics
+        self._topic_kinds = {topic: kind for kind, topic in self._kind_topics.items()}
+        self._log_prompts = log_prompts
+        self.redis = redis
+        self._results_ready = results_ready
+        self._on_progress = on_progress
+        self._speculative = speculative
+
+    # ---- engine events ---------------------------------------------------
+    async def run(self, events: asyncio.Queue[EngineEvent]) -> None:
+        while True:
+            event = await events.get()
+            try:
+                await self.on_engine_event(event)
+            except Exception:
+                log.exception("failed to handle engine outputs")
+
+    async def on_engine_event(self, ev: EngineEvent) -> None:
+        for engine_id, err in ev.errors:
+            fl = self.table.get(engine_id)
+            if fl is not None:
+                self._fail(fl, err.code, err.message)
+        for out in ev.outputs:
+            fl = self.table.get(out.request_id)
+            if fl is None or fl.done:
+                continue
+            if self._speculative and out.new_token_ids:
+                self.metrics.observe_step_tokens(fl.request.kind, len(out.new_token_ids))
+            if fl.stream[fl.engine_ids.index(out.request_id)] and (out.new_text or out.finished):
+                await self._send_delta(fl, out)
+            if not out.finished:
+                continue
+            if out.error is not None:
+                self._fail(fl, out.error.code, out.error.message)
+                continue
+            if self.table.finish(out.request_id, out):
+                await self._finish(fl)
+        if ev.stats is not None:
+            st = ev.stats
+            self.metrics.observe_step(
+                num_seqs=st.step_num_seqs, num_scheduled_tokens=st.step_num_tokens, token_budget=st.step_token_budget,
+                stall_s=ev.stall_s, kv_cache_usage=st.kv_usage, num_running=st.num_running,
+                num_waiting=st.num_waiting, num_preemptions=st.num_preemptions,
+                prefix_cache_hit_rate=st.prefix_cache_hit_rate,
+            )
+            if self._speculative:
+                self.metrics.observe_speculation(st.spec_draft_tokens, st.spec_accepted_tokens)
+        if ev.kv_events and self.redis is not None:
+            await self.redis.publish_kv_events(ev.kv_events)
+        self._on_progress()
+
+    async def _finish(self, fl: InFlight) -> None:
+        """Every job of `fl` has finished: its handler makes the Result, or asks for another round."""
+        try:
+            result = await fl.handler.finish(fl.request, fl.prepared, fl.outputs, self.ctx)
+        except RequestError as exc:
+            self._fail(fl, exc.code, exc.message)
+            return
+        except Exception as exc:
+            log.exception("handler finish failed", request_id=fl.request.id)
+            self._fail(fl, ErrorCode.internal, f"internal error while finishing: {type(exc).__name__}")
+            return
+        if isinstance(result, Prepared):
+            self.table.admit(fl, result)  # a second round: back to the engine through the table
+            return
+        fl.done = True
+        self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs)
+
+    def _fail(self, fl: InFlight, code: str, message: str) -> None:
+        if self.table.withdraw(fl):
+            self.complete_failure(fl, code, message)
+
+    async def _send_delta(self, fl: InFlight, out: RequestOutput) -> None:
+        delta = Delta(id=fl.request.id, index=fl.delta_index, text=out.new_text, finished=out.finished,
+                      finish_reason=out.finish_reason if out.finished else None)
+        fl.delta_index += 1
+        await self.deltas.send(self.topics.deltas, fl.request.id.encode(), encode(delta, fl.fmt),
+                               [("content-type", CONTENT_TYPE[fl.fmt])])
+
+    # ---- results ---------------------------------------------------------
+    def complete(self, tp: TopicPartition, offset: int, request, result: Result, fmt: str, consumed_at: float,
+                 outputs: list[RequestOutput] | None = None) -> None:
+        timing = _timing(consumed_at, outputs)
+        result = msgspec.structs.replace(result, timing=timing, worker=self.ctx.worker_id, model=self.ctx.model_name)
+        self._publish_result(tp, offset, result, fmt)
+        # Metric labels stay bounded: an unreadable kind counts under its topic's kind.
+        kind = result.kind if result.kind in self._kind_topics else self._topic_kinds.get(tp.topic, "chat")
+        status = "ok" if result.status == "ok" else result.error.code
+        tokens = result.usage
+        e2e = timing.total_ms / 1000
+        tpot = None
+        if outputs and tokens.completion_tokens > 1:
+            tpot = max(0.0, (timing.total_ms - timing.ttft_ms) / 1000 / (tokens.completion_tokens - 1))
+        self.metrics.observe_request_finished(
+            kind, status, tokens.prompt_tokens, tokens.completion_tokens, tokens.cached_tokens,
+            queue_s=timing.queue_ms / 1000 if outputs else None, ttft_s=timing.ttft_ms / 1000 if outputs else None,
+            tpot_s=tpot, e2e_s=e2e,
+        )
+        if self._log_prompts:
+            # Opt-in only: request and output text stay out of the logs by default.
+            log.info("request text", request_id=result.id, output=result.text,
+                     request=msgspec.to_builtins(request) if request is not None else None)
+        log.debug("request finished", request_id=result.id, kind=kind, status=status, total_ms=timing.total_ms)
+
+    def complete_error(self, tp: TopicPartition, offset: int, request_id: str, kind, code, message: str, fmt: str,
+                       consumed_at: float, request=None) -> None:
+        # An asr chunk's error carries its stream, so it is keyed, and ordered, with the stream's other results.
+        result = error_result(request_id, kind, code, message, stream_id=getattr(request, "stream_id", None),
+                              seq=getattr(request, "seq", None))
+        self.complete(tp, offset, None, result, fmt, consumed_at)
+
+    def complete_failure(self, fl: InFlight, code: str, message: str) -> None:
+        """The in-flight table's failure sink: a request taken out of it early gets an error result."""
+        self.complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at,
+                            fl.request)
+
+    def _publish_result(self, tp: TopicPartition, offset: int, result: Result, fmt: str) -> None:
+        tracker = self.trackers.get(tp)
+        if tracker is None:
+            return  # partition revoked: the new owner redoes it
+        record = OutRecord(self.topics.results, result_key(result), encode(result, fmt),
+                           (("content-type", CONTENT_TYPE[fmt]),))
+        tracker.complete(offset, [record])
+        self._results_ready.set()
+
+
+def _timing(consumed_at: float, outputs: list[RequestOutput] | None) -> Timing:
+    now = time.monotonic()
+    first_sched = min((o.metrics.first_scheduled_time for o in outputs or [] if o and o.metrics
+                       and o.metrics.first_scheduled_time), default=None)
+    first_tok = min((o.metrics.first_token_time for o in outputs or [] if o and o.metrics
+                     and o.metrics.first_token_time), default=None)
+    return Timing(
+        queue_ms=round(((first_sched or now) - consumed_at) * 1000, 3),
+        ttft_ms=round(((first_tok or now) - consumed_at) * 1000, 3),
+        total_ms=round((now - consumed_at) * 1000, 3),
+    )

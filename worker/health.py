@@ -1,0 +1,75 @@
+"""Health: /healthz and /readyz, and periodic self-reports. (The load in each Redis
+heartbeat is EngineLoop.load.)
+
+The housekeeping task runs every few seconds: the partitions' watchdog, a garbage
+collection of reference cycles, consumer lag and the cluster's KV hit rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from aiokafka import AIOKafkaConsumer
+
+from worker.engine_loop import EngineLoop
+from worker.inflight import InFlightTable
+from worker.memory import collect_cycles
+from worker.metrics import WorkerMetrics
+from worker.partitions import Partitions
+
+HOUSEKEEPING_INTERVAL_S = 5.0
+
+
+class Health:
+    def __init__(self, *, engine_loop: EngineLoop, consumer: AIOKafkaConsumer, partitions: Partitions,
+                 table: InFlightTable, redis, metrics: WorkerMetrics) -> None:
+        """`redis`: worker.state.RedisState."""
+        self.engine_loop = engine_loop
+        self.consumer = consumer
+        self.partitions = partitions
+        self.table = table
+        self.redis = redis
+        self.metrics = metrics
+
+    def healthz(self) -> tuple[bool, dict]:
+        alive = self.engine_loop.alive
+        return alive, {"engine_thread": alive}
+
+    def readyz(self) -> tuple[bool, dict]:
+        alive = self.engine_loop.alive
+        started = self.partitions.active  # the worker's Kafka clients and tasks run
+        detail = {
+            "engine_thread": alive,
+            "kafka_started": started,
+            "assigned_partitions": len(self.consumer.assignment()),
+            "redis": "ok" if self.redis.healthy else "degraded",
+            "in_flight": len(self.table),
+            "paused": self.partitions.paused,
+            "partitions_awaiting_setup": len(self.partitions.awaiting_setup),
+        }
+        # Redis down degrades the service but does not make it unready.
+        return alive and started, detail
+
+    async def run_housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
+            self.partitions.watchdog(time.monotonic())
+            # Dropped fetch buffers are reference cycles that pin whole fetch responses (worker/memory.py).
+            self.metrics.observe_gc(*collect_cycles())
+            lags: dict[str, int] = {}
+            for tp in list(self.consumer.assignment()):
+                try:
+                    high = self.consumer.highwater(tp)
+                    pos = await self.consumer.position(tp)
+                except Exception:
+                    continue
+                if high is not None:
+                    lags[tp.topic] = lags.get(tp.topic, 0) + max(0, high - pos)
+            for topic, lag in lags.items():
+                self.metrics.set_consumer_lag(topic, lag)
+            with contextlib.suppress(Exception):
+                rate = await self.redis.cluster_hit_rate()
+                if rate is not None:
+                    self.metrics.set_cluster_kv_cache_hit_rate(rate)
