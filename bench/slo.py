@@ -327,10 +327,17 @@ def main() -> None:
     ap.add_argument("--batchers", default="dynamic_bucket", help="our worker's batcher(s): dynamic_bucket,fifo")
     ap.add_argument("--systems", default="ours,ceiling,hf", help="which systems to run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no run: report the steps of saved runs (bench/results/slo*.json) together; a system "
+                         "in a later file replaces the same system's steps from earlier ones")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     command = invocation("bench.slo")
     console.print(f"[bold]$ {command}[/]")
+    if args.merge:
+        merged, slo = merge_runs([Path(f) for f in args.merge])
+        report(merged, slo, command, args)
+        return
 
     from engine.model_registry import resolve_model
     from engine.tokenizer import Tokenizer
@@ -365,6 +372,23 @@ def main() -> None:
     if "hf" in systems:
         steps += run_hf(model, hf_rates, make_workload, args.drain, slo)
     report(steps, slo, command, args)
+
+
+def merge_runs(paths: list[Path]) -> tuple[list[Step], Slo]:
+    """The steps of saved runs, a later file's systems replacing an earlier one's; the last file's SLO."""
+    import json
+
+    by_system: dict[str, list[Step]] = {}
+    slo = Slo()
+    for path in paths:
+        data = json.loads(path.read_text())
+        slo = Slo(**data["slo"])
+        systems: dict[str, list[Step]] = {}
+        for s in data["steps"]:
+            systems.setdefault(s["system"], []).append(Step(
+                s["system"], s["rate"], s["wall_s"], {k: Timings(**t) for k, t in s["timings"].items()}, s["lag"]))
+        by_system.update(systems)
+    return [step for steps in by_system.values() for step in steps], slo
 
 
 def report(steps: list[Step], slo: Slo, command: str, args) -> None:

@@ -45,3 +45,23 @@ def test_goodput_is_the_highest_rate_that_passes():
     steps = [step(0.5, ok), step(1.0, ok), step(2.0, slow)]
     assert goodput(steps, lambda s: s.meets(slo)) == 1.0
     assert goodput([step(0.5, slow)], lambda s: s.meets(slo)) == 0.0
+
+
+def test_merged_runs_take_each_system_from_the_last_file_that_has_it(tmp_path):
+    import json
+
+    from bench.slo import merge_runs
+
+    def run(path, slo, *systems):
+        steps = [{"system": name, "rate": rate, "wall_s": 1.0, "lag": None,
+                  "timings": {"r0": {"sent": 0.0, "first_token": 0.1, "last_token": 0.5, "done": 0.6, "tokens": 5,
+                                     "error": None}}} for name, rate in systems]
+        path.write_text(json.dumps({"slo": slo, "steps": steps}))
+        return path
+
+    slo = {"ttft_p99_s": 2.0, "tpot_p99_s": 0.1, "e2e_p99_s": 30.0}
+    a = run(tmp_path / "a.json", slo, ("ours", 1.0), ("ours", 2.0), ("ceiling", 1.0))
+    b = run(tmp_path / "b.json", {**slo, "e2e_p99_s": 20.0}, ("ceiling", 1.0), ("ceiling", 3.0))
+    steps, merged_slo = merge_runs([a, b])
+    assert [(s.system, s.rate) for s in steps] == [("ours", 1.0), ("ours", 2.0), ("ceiling", 1.0), ("ceiling", 3.0)]
+    assert merged_slo.e2e_p99_s == 20.0 and steps[0].timings["r0"].tokens == 5
