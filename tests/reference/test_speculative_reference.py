@@ -18,7 +18,7 @@ from bench.speculative import (
     chat_requests,
 )
 from engine import LLM, SamplingParams
-from tests.unit.test_speculative import assert_same_greedy
+from tests.unit.engine.test_speculative import assert_same_greedy
 
 pytestmark = pytest.mark.reference
 
