@@ -13,118 +13,33 @@ kinds and error codes come from schemas/, the rest are defined here, and each
 value gets a zero series from the start.
 Labels whose values come from configuration (topic, Redis operation, rule
 name) are capped at `MAX_OPEN_LABEL_VALUES` distinct values; the rest are
-counted under "other".
+counted under "other". The vocabulary itself (names, label values, buckets)
+is in worker/metric_names.py.
 """
 
 from __future__ import annotations
 
-import re
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from schemas.errors import ErrorCode
-from schemas.requests import KINDS
-
-REQUEST_KINDS: tuple[str, ...] = KINDS
-
-# "ok" or the stable error code of an error result (schemas.errors.ErrorCode).
-REQUEST_STATUSES: tuple[str, ...] = ("ok", *(code.value for code in ErrorCode))
-
-# A dead letter's reason is an ErrorInfo too, so its code labels the DLQ counter.
-DLQ_REASONS: tuple[str, ...] = tuple(code.value for code in ErrorCode)
-
-KAFKA_TRANSACTION_OUTCOMES: tuple[str, ...] = ("committed", "aborted", "fenced", "timed_out")
-
-# The Dynamic Bucket batcher has buckets max_seq_len / 2**i for i = 0..4, and a
-# plain FIFO path when bucketing is off.
-NUM_BATCH_BUCKETS = 5
-BATCH_BUCKET_LABELS: tuple[str, ...] = (*(str(i) for i in range(NUM_BATCH_BUCKETS)), "fifo")
-
-MAX_OPEN_LABEL_VALUES = 32
-OVERFLOW_LABEL_VALUE = "other"
-# Kafka topic names go up to 249 characters of this alphabet.
-_OPEN_LABEL_VALUE = re.compile(r"^[A-Za-z0-9_.:-]{1,249}$")
-
-# Buckets, in seconds unless the name says otherwise.
-GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-PIPELINE_STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-STEP_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
-# Tokens one request gets from one engine step: 1 without speculative decoding, up to k + 1 with it.
-SPEC_TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-
-# Histogram base names; PromQL sees them with _bucket, _sum and _count.
-HISTOGRAM_NAMES: tuple[str, ...] = (
-    "infinilm_pipeline_stall",
-    "infinilm_step_batch_size",
-    "infinilm_time_to_first_token_seconds",
-    "infinilm_time_per_output_token_seconds",
-    "infinilm_e2e_request_latency_seconds",
-    "infinilm_queue_time_seconds",
-    "infinilm_gc_pause_seconds",
-    "infinilm_spec_tokens_per_step",
+from worker.metric_names import (
+    BATCH_BUCKET_LABELS,
+    DLQ_REASONS,
+    E2E_BUCKETS,
+    GC_PAUSE_BUCKETS,
+    KAFKA_TRANSACTION_OUTCOMES,
+    NUM_BATCH_BUCKETS,
+    PIPELINE_STALL_BUCKETS,
+    QUEUE_BUCKETS,
+    REQUEST_KINDS,
+    REQUEST_STATUSES,
+    SPEC_TOKENS_PER_STEP_BUCKETS,
+    STEP_BATCH_SIZE_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    OpenLabel,
+    check_member,
+    clamp_ratio,
 )
-
-# Every metric, by the name PromQL uses: counters with _total, the info metric
-# with _info, histograms by their base name.
-METRIC_NAMES: tuple[str, ...] = (
-    "infinilm_worker_info",
-    "infinilm_batch_utilization",
-    "infinilm_kv_cache_hit_rate",
-    "infinilm_cluster_kv_cache_hit_rate",
-    "infinilm_kv_cache_usage_ratio",
-    "infinilm_num_requests_running",
-    "infinilm_num_requests_waiting",
-    "infinilm_preemptions_total",
-    "infinilm_requests_total",
-    "infinilm_prompt_tokens_total",
-    "infinilm_generation_tokens_total",
-    "infinilm_cached_prompt_tokens_total",
-    "infinilm_consumer_lag",
-    "infinilm_dlq_records_total",
-    "infinilm_redis_errors_total",
-    "infinilm_redis_up",
-    "infinilm_rule_violations_total",
-    "infinilm_kafka_transactions_total",
-    "infinilm_batches_total",
-    "infinilm_padding_tokens_total",
-    "infinilm_gc_collected_objects_total",
-    "infinilm_spec_acceptance_rate",
-    "infinilm_spec_draft_tokens_total",
-    "infinilm_spec_accepted_tokens_total",
-    *HISTOGRAM_NAMES,
-)
-
-
-def _check_member(label: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{label}={value!r} is not one of {allowed}")
-    return value
-
-
-class _OpenLabel:
-    """Caps the distinct values of a label whose vocabulary comes from config."""
-
-    def __init__(self, name: str, limit: int = MAX_OPEN_LABEL_VALUES) -> None:
-        self._name = name
-        self._limit = limit
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str) -> str:
-        if value in self._seen:
-            return value
-        # A metric call must never fail the caller: odd values count as "other".
-        if not _OPEN_LABEL_VALUE.match(value) or len(self._seen) >= self._limit:
-            return OVERFLOW_LABEL_VALUE
-        self._seen.add(value)
-        return value
-
-
-def _clamp_ratio(value: float) -> float:
-    return min(1.0, max(0.0, float(value)))
 
 
 class WorkerMetrics:
@@ -137,9 +52,9 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self._topic = _OpenLabel("topic")
-        self._redis_op = _OpenLabel("op")
-        self._rule = _OpenLabel("rule")
+        self._topic = OpenLabel("topic")
+        self._redis_op = OpenLabel("op")
+        self._rule = OpenLabel("rule")
 
         self.worker_info = Info("infinilm_worker", "Identity of this worker process.", registry=r)
 
@@ -371,16 +286,16 @@ class WorkerMetrics:
         not wait. num_preemptions counts preemptions in this step only.
         """
         utilization = num_scheduled_tokens / token_budget if token_budget > 0 else 0.0
-        self.batch_utilization.set(_clamp_ratio(utilization))
+        self.batch_utilization.set(clamp_ratio(utilization))
         self.step_batch_size.observe(num_seqs)
         self.pipeline_stall.observe(max(0.0, stall_s))
-        self.kv_cache_usage.set(_clamp_ratio(kv_cache_usage))
+        self.kv_cache_usage.set(clamp_ratio(kv_cache_usage))
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         if num_preemptions > 0:
             self.preemptions.inc(num_preemptions)
         if prefix_cache_hit_rate is not None:
-            self.kv_cache_hit_rate.set(_clamp_ratio(prefix_cache_hit_rate))
+            self.kv_cache_hit_rate.set(clamp_ratio(prefix_cache_hit_rate))
 
     def observe_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
         """The engine's cumulative draft and accepted token counts (EngineStats), after a step."""
@@ -390,14 +305,14 @@ class WorkerMetrics:
             self.spec_accepted_tokens.inc(accepted_tokens - seen_accepted)
         self._spec_seen = (draft_tokens, accepted_tokens)
         if draft_tokens:
-            self.spec_acceptance_rate.set(_clamp_ratio(accepted_tokens / draft_tokens))
+            self.spec_acceptance_rate.set(clamp_ratio(accepted_tokens / draft_tokens))
 
     def observe_step_tokens(self, kind: str, num_tokens: int) -> None:
         """Tokens one request of `kind` got from one step."""
-        self.spec_tokens_per_step.labels(kind=_check_member("kind", kind, REQUEST_KINDS)).observe(num_tokens)
+        self.spec_tokens_per_step.labels(kind=check_member("kind", kind, REQUEST_KINDS)).observe(num_tokens)
 
     def set_cluster_kv_cache_hit_rate(self, rate: float) -> None:
-        self.cluster_kv_cache_hit_rate.set(_clamp_ratio(rate))
+        self.cluster_kv_cache_hit_rate.set(clamp_ratio(rate))
 
     # -- requests ---------------------------------------------------------
 
@@ -418,8 +333,8 @@ class WorkerMetrics:
         A latency that does not apply (no token was generated, or the request
         was rejected before it queued) is passed as None and not observed.
         """
-        kind = _check_member("kind", kind, REQUEST_KINDS)
-        status = _check_member("status", status, REQUEST_STATUSES)
+        kind = check_member("kind", kind, REQUEST_KINDS)
+        status = check_member("status", status, REQUEST_STATUSES)
         self.requests.labels(kind=kind, status=status).inc()
         if prompt_tokens > 0:
             self.prompt_tokens.labels(kind=kind).inc(prompt_tokens)
@@ -460,10 +375,10 @@ class WorkerMetrics:
         self.consumer_lag.labels(topic=self._topic(topic)).set(max(0, lag))
 
     def inc_dlq(self, reason: str) -> None:
-        self.dlq_records.labels(reason=_check_member("reason", reason, DLQ_REASONS)).inc()
+        self.dlq_records.labels(reason=check_member("reason", reason, DLQ_REASONS)).inc()
 
     def inc_kafka_transaction(self, outcome: str) -> None:
-        outcome = _check_member("outcome", outcome, KAFKA_TRANSACTION_OUTCOMES)
+        outcome = check_member("outcome", outcome, KAFKA_TRANSACTION_OUTCOMES)
         self.kafka_transactions.labels(outcome=outcome).inc()
 
     # -- Redis ------------------------------------------------------------

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from devstack import DEFAULT_TOPICS
-from worker.metrics import HISTOGRAM_NAMES, METRIC_NAMES
+from worker.metric_names import HISTOGRAM_NAMES, METRIC_NAMES
 
 REPO = Path(__file__).resolve().parents[3]
 PROMETHEUS_DIR = REPO / "ops" / "prometheus"

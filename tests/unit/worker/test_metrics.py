@@ -6,15 +6,15 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.metrics import (
+from worker.metric_names import (
     DLQ_REASONS,
     HISTOGRAM_NAMES,
     MAX_OPEN_LABEL_VALUES,
     METRIC_NAMES,
     OVERFLOW_LABEL_VALUE,
     REQUEST_KINDS,
-    WorkerMetrics,
 )
+from worker.metrics import WorkerMetrics
 
 
 def exercise(metrics: WorkerMetrics) -> None:
