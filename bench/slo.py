@@ -324,7 +324,9 @@ def main() -> None:
     ap.add_argument("--ttft-p99", type=float, default=2.0, help="SLO: P99 time to first token, seconds")
     ap.add_argument("--tpot-p99", type=float, default=0.100, help="SLO: P99 time per output token, seconds")
     ap.add_argument("--e2e-p99", type=float, default=30.0, help="the end-to-end P99 limit for the HF comparison")
-    ap.add_argument("--batchers", default="dynamic_bucket", help="our worker's batcher(s): dynamic_bucket,fifo")
+    ap.add_argument("--batchers", default="dynamic_bucket",
+                    help="our worker's batcher(s), comma-separated: dynamic_bucket, fifo, direct")
+    ap.add_argument("--no-overload", action="store_true", help="skip the step at twice our goodput")
     ap.add_argument("--systems", default="ours,ceiling,hf", help="which systems to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--merge", nargs="+", metavar="JSON",
@@ -360,7 +362,8 @@ def main() -> None:
     steps: list[Step] = []
     if "ours" in systems:
         for batcher in args.batchers.split(","):
-            steps += run_ours(model, batcher, rates, make_workload, args.drain, slo, overload=not args.quick)
+            steps += run_ours(model, batcher, rates, make_workload, args.drain, slo,
+                              overload=not (args.quick or args.no_overload))
     if "ceiling" in systems:
         for rate in rates:
             workload, schedule = make_workload(rate, f"ceiling-{rate:g}")

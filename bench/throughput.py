@@ -384,7 +384,7 @@ def phase_timers(llm: LLM) -> Iterator[dict[str, float]]:
     targets = {"schedule": (engine.scheduler, "schedule"), "prepare inputs": (engine.runner, "_prepare"),
                "model forward": (engine.runner.model, "forward"), "lm head": (engine.runner.model, "compute_logits"),
                "sample": (model_runner, "sample_on_device"), "scheduler update": (engine.scheduler, "update"),
-               "outputs/detokenize": (engine.output_processor, "process")}
+               "outputs/detokenize": (engine.output_processor, "process_run")}
 
     def timed(name, fn):
         def call(*args, **kwargs):

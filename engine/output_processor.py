@@ -34,14 +34,6 @@ class OutputProcessor:
         if st is not None and st.prompt_logprobs is not None:
             st.prompt_logprobs.update(scores)
 
-    def process(self, request: Request, token_id: int, logprob, finished: bool) -> tuple[RequestOutput, bool]:
-        """Fold one new token into the request's text.
-
-        Returns the output and whether a stop string ended the request.
-        """
-        out, stop_hit, _ = self.process_run(request, [token_id], logprob, finished)
-        return out, stop_hit
-
     def process_run(self, request: Request, token_ids: list[int], logprob,
                     finished: bool) -> tuple[RequestOutput, bool, int]:
         """Fold a step's new tokens (several after a verified speculative run) into one output.

@@ -377,7 +377,7 @@ class DynamicBucketBatcher:
         return min(steady, silent)
 
 
-BATCHER_KINDS = ("dynamic_bucket", "fifo")
+BATCHER_KINDS = ("dynamic_bucket", "fifo", "direct")
 _BUCKET_ONLY_OPTIONS = ("max_seq_len", "num_buckets", "ewma_alpha", "min_lr", "adaptive", "learn_centres")
 
 
@@ -385,10 +385,14 @@ def make_batcher(kind: str, **options: Any) -> Batcher:
     """Build a batcher by name from one set of options.
 
     The FIFO batcher ignores the bucket-only options, so the worker can pass
-    the same execution config whichever kind is configured.
+    the same execution config whichever kind is configured. "direct" batches
+    nothing: every request goes on at once (the baseline bench.slo compares with).
     """
     if kind == "dynamic_bucket":
         return DynamicBucketBatcher(**options)
     if kind == "fifo":
         return FifoBatcher(**{k: v for k, v in options.items() if k not in _BUCKET_ONLY_OPTIONS})
+    if kind == "direct":
+        return FifoBatcher(max_batch_size=1, batch_timeout_s=0.0, **({"clock": options["clock"]}
+                                                                     if "clock" in options else {}))
     raise ValueError(f"batcher kind must be one of {BATCHER_KINDS}, got {kind!r}")

@@ -31,7 +31,7 @@ class ExecutionConfig(ExecutionSettings):
 
     batch_timeout: Seconds = 0.05
     max_batch_size: PositiveInt = 16
-    batcher: Literal["dynamic_bucket", "fifo"] = "dynamic_bucket"
+    batcher: Literal["dynamic_bucket", "fifo", "direct"] = "dynamic_bucket"
     # Buckets are max_seq_len / 2^i; past 16 halvings they would be empty.
     num_buckets: Annotated[int, msgspec.Meta(ge=1, le=16)] = 5
     deterministic: bool = False

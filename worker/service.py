@@ -95,9 +95,7 @@ class Worker:
         self.batcher = make_batcher(
             config.execution.batcher, max_seq_len=self.engine.max_model_len,
             max_batch_size=config.execution.max_batch_size, batch_timeout_s=config.execution.batch_timeout,
-            num_buckets=config.execution.num_buckets,
-        ) if config.execution.batcher == "dynamic_bucket" else make_batcher(
-            "fifo", max_batch_size=config.execution.max_batch_size, batch_timeout_s=config.execution.batch_timeout)
+            num_buckets=config.execution.num_buckets)
         self._stopping = asyncio.Event()
         self._started = False
         # Built by start(), in this order.

@@ -231,6 +231,8 @@ def test_make_batcher():
     opts = dict(max_seq_len=1024, max_batch_size=8, batch_timeout_s=0.05, clock=Clock())
     assert isinstance(make_batcher("dynamic_bucket", **opts), DynamicBucketBatcher)
     assert isinstance(make_batcher("fifo", **opts), FifoBatcher)
+    direct = make_batcher("direct", **opts)
+    assert keys(direct.add(item("a", 40))) == [["a"]] and len(direct) == 0 and direct.next_deadline() is None
     with pytest.raises(ValueError):
         make_batcher("lifo", **opts)
 

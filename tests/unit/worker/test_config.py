@@ -167,7 +167,7 @@ def test_unknown_section_in_file(tmp_path):
         ("execution:\n  max_batch_size: 0\n", "execution.max_batch_size: expected `int` >= 1"),
         ("execution:\n  max_batch_size: 128\n", "execution.max_batch_size: must be <= max_num_seqs (64)"),
         ("execution:\n  batch_timeout: 0\n", "execution.batch_timeout: expected `float` > 0.0"),
-        ("execution:\n  batcher: lifo\n", "execution.batcher: expected one of 'dynamic_bucket', 'fifo'; got 'lifo'"),
+        ("execution:\n  batcher: lifo\n", "execution.batcher: expected one of 'dynamic_bucket', 'fifo', 'direct'; got 'lifo'"),
         ("quantization:\n  weight_bits: 3\n", "quantization.weight_bits: expected one of 16, 8, 4; got 3"),
         ("quantization:\n  cache_bits: 4\n", "quantization.cache_bits: expected one of 16, 8; got 4"),
         ("memory:\n  max_cache_ratio: 1.5\n", "memory.max_cache_ratio: expected `float` <= 1.0"),
