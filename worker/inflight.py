@@ -51,6 +51,9 @@ class InFlight:
     done: bool = False
 
 
+# How often the batch timer looks for requests past their deadline, at the longest.
+EXPIRY_CHECK_S = 0.5
+
 # Called with a request taken out of the table by `fail`, its error code and message.
 FailureSink = Callable[[InFlight, str, str], None]
 
@@ -115,15 +118,26 @@ class InFlightTable:
         self.engine_loop.submit(jobs)
 
     async def run_batch_timer(self, stopping: asyncio.Event) -> None:
-        """Release the batcher's buckets whose window is over."""
+        """Release the batcher's buckets whose window is over, and room the engine has; fail what expired."""
         while not stopping.is_set():
             deadline = self.batcher.next_deadline()
-            wait = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = EXPIRY_CHECK_S if deadline is None else min(EXPIRY_CHECK_S, max(0.0, deadline - time.monotonic()))
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+            self.expire(time.time() * 1000)
             self.submit(self.batcher.poll(time.monotonic()))
             self.submit(self.batcher.release(self.room()))
+
+    def expire(self, now_ms: float) -> int:
+        """Fail every request whose deadline_ms has passed, wherever its work is (batcher or engine): its
+        engine work is aborted and it is answered with deadline_exceeded. Returns how many."""
+        expired = {id(fl): fl for fl in self._entries.values()
+                   if not fl.done and (d := getattr(fl.request, "deadline_ms", None)) is not None and now_ms > d}
+        for fl in expired.values():
+            self.fail(fl, ErrorCode.deadline_exceeded,
+                      f"deadline passed {now_ms - fl.request.deadline_ms:.0f} ms before the request finished")
+        return len(expired)
 
     def drain(self) -> None:
         """Send everything the batcher still holds (shutdown)."""

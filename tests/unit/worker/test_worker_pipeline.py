@@ -7,6 +7,7 @@ test hands completion the engine events a real loop would deliver.
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from aiokafka import TopicPartition
@@ -189,3 +190,21 @@ async def _the_batcher_holds_work_only_while_the_engine_is_full():
 
 def test_the_batcher_holds_work_only_while_the_engine_is_full():
     asyncio.run(_the_batcher_holds_work_only_while_the_engine_is_full())
+
+
+async def _a_running_request_past_its_deadline_is_aborted_and_answered_deadline_exceeded():
+    intake, table, _, engine_loop, tracker, _ = _parts()
+    deadline = int(time.time() * 1000) + 3_600_000  # an hour ahead: it starts in time
+    on_time = b'{"id": "c1", "kind": "chat", "messages": [{"role": "user", "content": "hi"}], "deadline_ms": %d}'
+    no_deadline = b'{"id": "c2", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    assert await intake.take(_record(0, on_time % deadline)) and await intake.take(_record(1, no_deadline))
+    assert len(engine_loop.jobs) == 4 and table.expire(now_ms=deadline) == 0
+    assert table.expire(now_ms=deadline + 1) == 1
+    assert sorted(engine_loop.aborted) == ["requests/0/0/0", "requests/0/0/1"] and len(table) == 2
+    [record] = tracker.release().records
+    result = decode_result(record.value)
+    assert (result.id, result.status, result.error.code) == ("c1", "error", "deadline_exceeded")
+
+
+def test_a_running_request_past_its_deadline_is_aborted_and_answered_deadline_exceeded():
+    asyncio.run(_a_running_request_past_its_deadline_is_aborted_and_answered_deadline_exceeded())
