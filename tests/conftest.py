@@ -80,3 +80,20 @@ def decode_layers_calls(monkeypatch) -> list[int]:
         real = ops.decode_layers
         monkeypatch.setattr(ops, "decode_layers", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     return calls
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def kernel_isa(request, monkeypatch) -> str:
+    """Runs a test once per SIMD path of the CPU kernels (engine/kernels/cpu_build.py): within it the engine's
+    kernels are the module built for that instruction set, as INFINILM_CPU_ISA would pick. A path this host's CPU
+    cannot run skips, named in the summary; the AVX2 path runs on every x86 host."""
+    from engine.kernels import cpu_build
+
+    isa = request.param
+    if isa not in cpu_build.runnable_isas():
+        pytest.skip(f"this host lacks {isa.upper()}: the {isa} kernel path is not run here")
+    monkeypatch.setenv(cpu_build.ISA_ENV, isa)
+    cpu_build.cpu_kernels.cache_clear()
+    assert cpu_build.cpu_kernels().vector_lanes() == (16 if isa == "avx512" else 8)
+    yield isa
+    cpu_build.cpu_kernels.cache_clear()  # the environment is restored next: the following call loads its module

@@ -1,10 +1,14 @@
-"""Build and load the one C++ extension that holds every CPU kernel.
+"""Build and load the one C++ extension that holds every CPU kernel, for the instruction set this host takes.
 
 Attention (engine/attention/csrc), quantized linears (engine/quant/csrc) and the model's fused ops
-(engine/models/csrc) compile together as one translation unit, cached on disk per machine and source
-version. `load_kernels()` raises where it cannot be built (no compiler); `cpu_kernels()` is then None
-and callers run the plain torch ops. Callers look functions up on the module at call time, so the
-benchmark's profiler labels (bench.throughput --profile) see every call.
+(engine/models/csrc) compile together as one translation unit, cached on disk per machine, source
+version and instruction set. The kernels are written once, on ATen's portable vectors (at::vec), and
+the same sources build one module per instruction set ("avx512", "avx2", "baseline"): `load_kernels()`
+loads the one for `target_isa()` (the host's best, or the INFINILM_CPU_ISA cap), and `load_kernels(isa)`
+any other this CPU can run, so tests compare the paths in one process. `load_kernels()` raises where it
+cannot be built (no compiler); `cpu_kernels()` is then None and callers run the plain torch ops. Callers
+look functions up on the module at call time, so the benchmark's profiler labels (bench.throughput
+--profile) see every call.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 _ENGINE = Path(__file__).resolve().parents[1]
 # Compiled in this order (the int8 attention kernel reuses the fp32 one's helpers).
 _SOURCES = (
+    _ENGINE / "kernels" / "csrc" / "vec_loads.cpp",
     _ENGINE / "attention" / "csrc" / "paged_attention_cpu.cpp",
     _ENGINE / "attention" / "csrc" / "paged_attention_int8_cpu.cpp",
     _ENGINE / "attention" / "csrc" / "prefill_attention_cpu.cpp",
@@ -32,7 +37,7 @@ _SOURCES = (
     _ENGINE / "models" / "csrc" / "compact_codes.cpp",
     _ENGINE / "models" / "csrc" / "decode_layers.cpp",
 )
-_FUNCTIONS = ["paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
+_FUNCTIONS = ["vector_lanes", "paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_", "silu_mul_rows_",
               "panel_gemm_available", "pack_panels", "panel_linear", "unpack_compact_panels", "compact_rows",
               "pack_compact_panels", "compact_panels_match", "decode_layers", "stream_read_all",
@@ -68,42 +73,59 @@ def host_isa() -> str:
 def target_isa() -> str:
     """The instruction set the kernels are built for: the host's best, or less where INFINILM_CPU_ISA says so.
     Raises ValueError for an unknown name or one this CPU lacks."""
-    host = host_isa()
     wanted = os.environ.get(ISA_ENV, "").strip().lower()
-    if not wanted:
-        return host
-    if wanted not in ISAS:
-        raise ValueError(f"{ISA_ENV}={wanted!r}: expected one of {', '.join(ISAS)}")
-    if ISAS.index(wanted) < ISAS.index(host):
-        raise ValueError(f"{ISA_ENV}={wanted!r}, but this CPU's best is {host!r}")
-    return wanted
+    return _checked_isa(wanted, source=f"{ISA_ENV}={wanted!r}") if wanted else host_isa()
 
 
-def build_flags() -> list[str]:
-    """The compiler flags: native code capped at target_isa(), OpenMP, and ATen's vector width."""
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    isa, host = target_isa(), host_isa()
+def runnable_isas() -> tuple[str, ...]:
+    """The instruction sets this CPU can run a module of, best first."""
+    return ISAS[ISAS.index(host_isa()):]
+
+
+def _checked_isa(isa: str | None, source: str = "isa") -> str:
+    if isa is None:
+        return target_isa()
+    if isa not in ISAS:
+        raise ValueError(f"{source}: expected one of {', '.join(ISAS)}")
+    if isa not in runnable_isas():
+        raise ValueError(f"{source}, but this CPU's best is {host_isa()!r}")
+    return isa
+
+
+def build_flags(isa: str | None = None) -> list[str]:
+    """The compiler flags for the module of `isa` (default target_isa()): native code capped at that instruction
+    set, OpenMP, and ATen's vector width (CPU_CAPABILITY_*: at::vec::Vectorized<float> is 16 floats on AVX-512, 8
+    on AVX2 and on the scalar baseline)."""
+    # NOTE: -ffp-contract=off: no product is fused with an add unless the source writes the FMA, so the compact
+    # panels' rebuilt weights, and every at::vec expression, round alike on both instruction sets.
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+    isa, host = _checked_isa(isa), host_isa()
     if isa == "avx512":
         flags.append("-DCPU_CAPABILITY_AVX512")
     elif isa == "avx2":
-        # -mno-avx512f turns off every AVX-512 subset, so the AVX-512-only kernels compile out.
+        # -mno-avx512f turns off every AVX-512 subset: AVX2 and FMA code, as on an AVX2-only host.
         flags += (["-mno-avx512f"] if host == "avx512" else []) + ["-DCPU_CAPABILITY_AVX2"]
     elif host != "baseline":
         flags += ["-mno-avx512f", "-mno-avx2", "-mno-fma"]
     return flags
 
 
+def load_kernels(isa: str | None = None) -> ModuleType:
+    """The kernel module for `isa` (default target_isa()), built once per machine, source version and instruction
+    set (cached on disk) and loaded once per process. Raises ValueError for an instruction set this CPU lacks."""
+    return _load_module(_checked_isa(isa))
+
+
 @cache
-def load_kernels() -> ModuleType:
-    """Build (once per machine and source version, cached on disk) and load the kernel module."""
+def _load_module(isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load_inline
 
     source = "\n".join(path.read_text() for path in _SOURCES)
-    flags = build_flags()
+    flags = build_flags(isa)
     # NOTE: the name keeps its historical prefix so that builds cached on disk stay valid.
     digest = hashlib.sha1((source + " ".join(flags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     return load_inline(
-        name=f"infinilm_paged_attention_cpu_{digest}",
+        name=f"infinilm_paged_attention_cpu_{isa}_{digest}",
         cpp_sources=[source],
         functions=_FUNCTIONS,
         extra_cflags=flags,

@@ -48,13 +48,13 @@ def test_a_cap_above_the_host_or_an_unknown_name_is_refused(monkeypatch):
 @pytest.mark.skipif(cpu_build.host_isa() == "baseline", reason="this host has no AVX2")
 def test_the_avx2_path_passes_the_reference_checks():
     """tests/reference/test_engine_reference.py's HF comparisons (tiny models through every backend, SmolLM2's
-    greedy tokens), run in a process whose kernels are built for AVX2: no panel kernel, oneDNN-packed weights."""
+    greedy tokens), run in a process whose kernels are built for AVX2: the same kernels as AVX-512's, 8 lanes wide."""
     env = {**os.environ, cpu_build.ISA_ENV: "avx2", "PYTHONPATH": str(REPO)}
     probe = subprocess.run(
         [sys.executable, "-c", "from engine.kernels.cpu_build import cpu_kernels, target_isa; "
-                               "print(target_isa(), cpu_kernels().panel_gemm_available())"],
+                               "print(target_isa(), cpu_kernels().panel_gemm_available(), cpu_kernels().vector_lanes())"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert probe.stdout.split() == ["avx2", "False"], probe.stderr[-3000:]
+    assert probe.stdout.split() == ["avx2", "True", "8"], probe.stderr[-3000:]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reference/test_engine_reference.py",
          "-k", "logits_match_hf_through_the_scheduler or smollm2_greedy_tokens_equal_hf"],

@@ -12,13 +12,15 @@
 // weight-sized is allocated besides the panels: where fresh memory is slow to fault in, packing through torch
 // temporaries costs seconds (docs/perf/engine-notes.md).
 
-#if defined(__AVX512F__)
 #include <cstring>
 
 namespace compact_codes {
 
+using panel_gemm::FVec;
 using panel_gemm::kCols;
 using panel_gemm::kGroup;
+using panel_gemm::kLanes;
+constexpr int kGroupVecs = kGroup / kLanes;
 constexpr int kSteps[5] = {0, -1, 1, -2, 2};  // fp16 ulps from the estimate, tried in this order
 
 static inline float to_fp16(float x) { return static_cast<float>(c10::Half(x)); }
@@ -36,43 +38,52 @@ static inline uint32_t bits_of(float x) {
   return b;
 }
 
-// Codes of one group x (two vectors of 16) for scale s (offset o, or none), and whether they rebuild all of x
-// bit for bit; 16 values per instruction, computed as rebuild_panel computes them (panel_gemm's mul_rn, and
-// affine4_value for an offset).
+// Codes of one group x (kGroupVecs vectors) for scale s (offset o, or none), and whether they rebuild all of x bit
+// for bit; a vector at a time, computed as rebuild_panel computes them (panel_gemm's mul_rn, and affine4_value for an
+// offset). Every step is exact or correctly rounded, so both instruction sets find the same codes.
 template <bool kAffine>
-static inline bool fits(const __m512 x[2], float s, float o, float low, float high, int32_t* codes) {
-  const __m512 vs = _mm512_set1_ps(s), div = _mm512_set1_ps(s != 0.f ? s : 1.f), vo = _mm512_set1_ps(o);
-  const __m512 lo = _mm512_set1_ps(low), hi = _mm512_set1_ps(high), zero = _mm512_setzero_ps();
-  __m512 q[2];
-  for (int h = 0; h < 2; ++h) {
-    const __m512 centred = kAffine ? _mm512_sub_ps(x[h], vo) : x[h];
-    q[h] = s != 0.f ? _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(centred, div),
-                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                                  lo),
-                                    hi)
-                    : zero;
-    q[h] = _mm512_add_ps(q[h], zero);  // a rounded -0.0 becomes the +0.0 that the kernel's integer code 0 converts to
-    const __m512 r = kAffine ? panel_gemm::affine4_value(q[h], vs, vo) : panel_gemm::mul_rn(q[h], vs);
-    if (_mm512_cmpneq_epi32_mask(_mm512_castps_si512(r), _mm512_castps_si512(x[h]))) return false;
+static inline bool fits(const FVec* x, float s, float o, float low, float high, int32_t* codes) {
+  const FVec vs(s), div(s != 0.f ? s : 1.f), vo(o), lo(low), hi(high), zero(0.f);
+  FVec q[kGroupVecs];
+  for (int h = 0; h < kGroupVecs; ++h) {
+    const FVec centred = kAffine ? x[h] - vo : x[h];
+    q[h] = s != 0.f ? at::vec::minimum(at::vec::maximum((centred / div).round(), lo), hi) : zero;
+    q[h] = q[h] + zero;  // a rounded -0.0 becomes the +0.0 that the kernel's integer code 0 converts to
+    const FVec r = kAffine ? panel_gemm::affine4_value(q[h], vs, vo) : panel_gemm::mul_rn(q[h], vs);
+    alignas(64) float rebuilt[kLanes], want[kLanes];
+    r.store(rebuilt);
+    x[h].store(want);
+    if (std::memcmp(rebuilt, want, sizeof rebuilt) != 0) return false;
   }
-  for (int h = 0; h < 2; ++h) _mm512_storeu_si512(codes + 16 * h, _mm512_cvtps_epi32(q[h]));
+  for (int h = 0; h < kGroupVecs; ++h) at::vec::convert_to_int_of_same_size(q[h]).store(codes + kLanes * h);
   return true;
 }
 
 // The group's 32 values, or false if one is NaN or infinite (x - x is 0 only for finite x).
-static inline bool load_finite(const float* p, __m512 x[2]) {
-  x[0] = _mm512_loadu_ps(p);
-  x[1] = _mm512_loadu_ps(p + 16);
-  const __m512 zero = _mm512_setzero_ps();
-  return _mm512_cmp_ps_mask(_mm512_sub_ps(x[0], x[0]), zero, _CMP_EQ_OQ) == 0xFFFF &&
-         _mm512_cmp_ps_mask(_mm512_sub_ps(x[1], x[1]), zero, _CMP_EQ_OQ) == 0xFFFF;
+static inline bool load_finite(const float* p, FVec* x) {
+  bool finite = true;
+  for (int h = 0; h < kGroupVecs; ++h) {
+    x[h] = FVec::loadu(p + kLanes * h);
+    finite = finite && (x[h] - x[h]).zero_mask() == (1 << kLanes) - 1;
+  }
+  return finite;
+}
+
+static inline float group_min(const FVec* x) {
+  FVec m = x[0];
+  for (int h = 1; h < kGroupVecs; ++h) m = at::vec::minimum(m, x[h]);
+  return at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return at::vec::minimum(a, b); }, m);
+}
+static inline float group_max(const FVec* x) {
+  FVec m = x[0];
+  for (int h = 1; h < kGroupVecs; ++h) m = at::vec::maximum(m, x[h]);
+  return at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return at::vec::maximum(a, b); }, m);
 }
 
 static bool affine4_group(const float* p, float* scale, float* offset, int32_t* codes) {
-  __m512 x[2];
+  FVec x[kGroupVecs];
   if (!load_finite(p, x)) return false;
-  const float lo = _mm512_reduce_min_ps(_mm512_min_ps(x[0], x[1]));
-  const float hi = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
+  const float lo = group_min(x), hi = group_max(x);
   if (bits_of(to_fp16(lo)) != bits_of(lo)) return false;  // the offset is an fp16 value
   const float estimate = to_fp16((hi - lo) / 15.f);
   for (int steps : kSteps) {
@@ -87,9 +98,10 @@ static bool affine4_group(const float* p, float* scale, float* offset, int32_t* 
 }
 
 static bool sym8_group(const float* p, float* scale, int32_t* codes) {
-  __m512 x[2];
+  FVec x[kGroupVecs], a[kGroupVecs];
   if (!load_finite(p, x)) return false;
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x[0]), _mm512_abs_ps(x[1])));
+  for (int h = 0; h < kGroupVecs; ++h) a[h] = x[h].abs();
+  const float amax = group_max(a);
   for (float d : {127.f, 8.f, 7.f}) {
     const float estimate = to_fp16(amax / d);
     for (int steps : kSteps)
@@ -195,13 +207,3 @@ torch::Tensor pack_compact_panels(torch::Tensor weight) {
   }
   return torch::empty({0}, torch::kByte);
 }
-#else
-bool compact_panels_match(torch::Tensor packed, torch::Tensor weight) {
-  TORCH_CHECK(false, "compact panels need AVX-512");
-  return false;
-}
-torch::Tensor pack_compact_panels(torch::Tensor weight) {
-  TORCH_CHECK(false, "compact panels need AVX-512");
-  return weight;
-}
-#endif

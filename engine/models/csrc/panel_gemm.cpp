@@ -1,10 +1,11 @@
-// Linear layers for 1-256 rows (decode batches and short prefill chunks) on AVX-512 CPUs:
+// Linear layers for 1-256 rows (decode batches and short prefill chunks) on x86 CPUs with AVX2 or AVX-512 (one
+// source on at::vec, built once per instruction set: engine/kernels/cpu_build.py):
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) over a weight packed once into panels of 32
 // output columns, each panel's K x 32 floats contiguous (pack_panels).
 //
 // Why: oneDNN and MKL run these row counts at a fraction of the machine's GEMM rate. Per panel
-// a task computes every row of x against it in register tiles of up to 12 rows x 32 columns
-// (24 accumulators); the panel is read once from memory and then from L2, and while a panel is
+// a task computes every row of x against it in register tiles (AVX-512: up to 12 rows x 32 columns; AVX2: up
+// to 6 rows x 16 columns, two passes a panel); the panel is read once from memory and then from L2, and while a panel is
 // computed the next one is prefetched into L2, spread over the tiles' K steps, so the weight
 // stream overlaps the arithmetic. Measured in bench/kernels/panel_gemm.py.
 //
@@ -15,8 +16,6 @@
 // with fp16 scales, from which the kernel rebuilds the same fp32 values, so the results are bitwise those
 // of the fp32 panels while a call reads a sixth or a quarter of the bytes.
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
 #include <array>
 #include <cstdlib>
 #include <memory>
@@ -24,8 +23,17 @@
 
 namespace panel_gemm {
 
+using vec_loads::FVec;
+using vec_loads::kLanes;
+// NOTE: the packed layouts are the same on every instruction set: a panel is 32 columns, 2 vectors of AVX-512 or 4
+// of AVX2, so a weight packed on one host is read bit for bit alike by the other's module.
 constexpr int64_t kCols = 32;
-constexpr int kMaxTileRows = 12;
+constexpr int kPanelVecs = kCols / kLanes;
+// A tile computes 2 vectors of a panel's columns (the whole panel on AVX-512, half of it on AVX2, in two passes over
+// K) for up to kMaxTileRows rows: 24 or 12 accumulators, what 32 zmm or 16 ymm registers hold beside the loads.
+constexpr int kTileVecs = 2;
+constexpr int kTilePasses = kPanelVecs / kTileVecs;
+constexpr int kMaxTileRows = kLanes == 16 ? 12 : 6;
 // Calls with fewer rows prefetch page heads (tile's PF = kPageHeads) rather than the next panel: 8 on AMD CPUs,
 // 2 (single rows only) on the others: page heads beat the next panel's spread prefetch for few rows on AMD
 // CPUs and lose from 2 rows up on Intel ones (docs/perf/engine-notes.md, "Panel GEMM page heads").
@@ -51,14 +59,13 @@ constexpr int64_t kPageHeadAhead = 16384;
 // Bunched into the first steps, a share asks for lines faster than one core's misses can be served (one
 // a step is about the core's whole memory rate at 12-row tiles); the likely cost is the tile's own loads
 // queueing behind those misses. Spread, the same lines come at the rate the panel is computed.
+// Where a tile takes two passes (AVX2), each pass sends its half of the lines.
 template <int MR, int PF>
-static void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
-                 const float* bias, __mmask16 m0, __mmask16 m1, const char* prefetch, int64_t lines) {
-  __m512 acc0[MR], acc1[MR];
-  for (int i = 0; i < MR; ++i) {
-    acc0[i] = _mm512_setzero_ps();
-    acc1[i] = _mm512_setzero_ps();
-  }
+static void tile_pass(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
+                      const float* bias, int64_t cols, const char* prefetch, int64_t lines) {
+  FVec acc[MR][kTileVecs];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kTileVecs; ++v) acc[i][v] = FVec(0.f);
   const int64_t steps = PF == 1 || PF == 2 ? lines / PF : 0;
   const int64_t gap = PF == 0 && lines > 0 ? (K << 16) / lines : 0;
   int64_t issued = 0, next = PF == 0 && lines > 0 ? 0 : K;
@@ -81,35 +88,53 @@ static void tile(const float* a, int64_t lda, const float* panel, int64_t K, flo
       ++issued;
       next = issued < lines ? (issued * gap) >> 16 : K;
     }
-    const __m512 b0 = _mm512_load_ps(panel + k * kCols), b1 = _mm512_load_ps(panel + k * kCols + 16);
+    FVec b[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) b[v] = FVec::loadu(panel + k * kCols + v * kLanes);
     for (int i = 0; i < MR; ++i) {
-      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
-      acc0[i] = _mm512_fmadd_ps(av, b0, acc0[i]);
-      acc1[i] = _mm512_fmadd_ps(av, b1, acc1[i]);
+      const FVec av(a[i * lda + k]);
+      for (int v = 0; v < kTileVecs; ++v) acc[i][v] = at::vec::fmadd(av, b[v], acc[i][v]);
     }
   }
-  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(c + i * ldc, m0, _mm512_add_ps(acc0[i], bias0));
-    _mm512_mask_storeu_ps(c + i * ldc + 16, m1, _mm512_add_ps(acc1[i], bias1));
+  for (int v = 0; v < kTileVecs; ++v) {
+    const int64_t n = cols - v * kLanes;
+    const FVec bv = bias ? vec_loads::load_first(bias + v * kLanes, n) : FVec(0.f);
+    for (int i = 0; i < MR; ++i) vec_loads::store_first(acc[i][v] + bv, c + i * ldc + v * kLanes, n);
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, __mmask16,
-                        __mmask16, const char*, int64_t);
-// [PF][rows]
-static const TileFn kTiles[4][kMaxTileRows + 1] = {
-    {nullptr, tile<1, 0>, tile<2, 0>, tile<3, 0>, tile<4, 0>, tile<5, 0>, tile<6, 0>, tile<7, 0>, tile<8, 0>,
-     tile<9, 0>, tile<10, 0>, tile<11, 0>, tile<12, 0>},
-    {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<8, 1>,
-     tile<9, 1>, tile<10, 1>, tile<11, 1>, tile<12, 1>},
-    {nullptr, tile<1, 2>, tile<2, 2>, tile<3, 2>, tile<4, 2>, tile<5, 2>, tile<6, 2>, tile<7, 2>, tile<8, 2>,
-     tile<9, 2>, tile<10, 2>, tile<11, 2>, tile<12, 2>},
-    {nullptr, tile<1, kPageHeads>, tile<2, kPageHeads>, tile<3, kPageHeads>, tile<4, kPageHeads>, tile<5, kPageHeads>,
-     tile<6, kPageHeads>, tile<7, kPageHeads>, nullptr, nullptr, nullptr, nullptr, nullptr}};
+// Rows [0, MR) of x against one panel (its first `cols` columns stored), in kTilePasses passes of kTileVecs vectors.
+template <int MR, int PF>
+static void tile(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc, const float* bias,
+                 int64_t cols, const char* prefetch, int64_t lines) {
+  constexpr int64_t kPassCols = kTileVecs * kLanes;
+  int64_t sent = 0;
+  for (int pass = 0; pass < kTilePasses; ++pass) {
+    const int64_t share = (lines - sent) / (kTilePasses - pass);
+    tile_pass<MR, PF>(a, lda, panel + pass * kPassCols, K, c + pass * kPassCols, ldc,
+                      bias ? bias + pass * kPassCols : nullptr, cols - pass * kPassCols,
+                      prefetch ? prefetch + 64 * sent : nullptr, share);
+    sent += share;
+  }
+}
 
-static inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1)); }
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, int64_t,
+                        const char*, int64_t);
+// Page heads serve only calls of fewer than page_head_rows() (at most 8) rows.
+template <int R, int PF>
+constexpr TileFn tile_fn() {
+  if constexpr (R == 0 || (PF == kPageHeads && R > 7)) return nullptr;
+  else return tile<R, PF>;
+}
+template <int PF, int... R>
+constexpr std::array<TileFn, sizeof...(R)> tile_row(std::integer_sequence<int, R...>) {
+  return {tile_fn<R, PF>()...};
+}
+// [PF][rows]
+static constexpr std::array<std::array<TileFn, kMaxTileRows + 1>, 4> kTiles = {
+    tile_row<0>(std::make_integer_sequence<int, kMaxTileRows + 1>{}),
+    tile_row<1>(std::make_integer_sequence<int, kMaxTileRows + 1>{}),
+    tile_row<2>(std::make_integer_sequence<int, kMaxTileRows + 1>{}),
+    tile_row<kPageHeads>(std::make_integer_sequence<int, kMaxTileRows + 1>{})};
 
 // Compact panels (engine/models/compact_weights.py packs them): where a weight's fp32 values are exactly
 // small integer codes times fp16 scales (plus fp16 offsets), as a GGUF Q4_0, Q4_1 or Q8_0 import's are,
@@ -125,49 +150,76 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kAffine4Block = 64 + 64 + kGroup * 16;
 constexpr int64_t kSym8Block = 64 + kGroup * 32;
 
-// The _round variant is not contracted into an FMA by the compiler: the multiply rounds on its own.
-static inline __m512 mul_rn(__m512 a, __m512 b) {
-  return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
+// NOTE: the module is built with -ffp-contract=off (cpu_build.py), so a product stays a rounded product: no
+// compiler fuses it with a following add into an FMA, on either instruction set. Every FMA here is written out.
+static inline FVec mul_rn(const FVec& a, const FVec& b) { return a * b; }
 // fl(fl(code * scale) + offset), GGUF's Q4_1 dequantization, in one instruction: a 4-bit code (0-15) times an fp16
 // scale has at most 15 significant bits, so the product is exact in fp32 and its rounding changes nothing; an FMA's
 // one rounding of code * scale + offset is then the add's, signed zeros included (IEEE 754's rules for a sum).
-// One vector op fewer per 16 values than a multiply and an add; bitwise the same (tests/unit/test_compact_weights.py).
-static inline __m512 affine4_value(__m512 code, __m512 scale, __m512 offset) {
-  return _mm512_fmadd_ps(code, scale, offset);
+// One vector op fewer per vector of values than a multiply and an add; bitwise the same
+// (tests/unit/test_compact_weights.py).
+static inline FVec affine4_value(const FVec& code, const FVec& scale, const FVec& offset) {
+  return at::vec::fmadd(code, scale, offset);
 }
-// The two 4-bit codes of each of 16 bytes (zero-extended to 32-bit lanes in v) as floats: the low nibble (column j)
-// in lo, the high one (column j + 16) in hi. A permute from the table 0.0 .. 15.0 reads only an index's low 4 bits,
-// so it is the AND and the conversion in one op (the same values).
-static inline void nibble_floats(__m512i v, __m512& lo, __m512& hi) {
+// The two 4-bit codes of kLanes bytes at p as floats: the low nibbles in lo, the high ones in hi (the exact values
+// 0.0 .. 15.0 either way). AVX-512 permutes from a table 0.0 .. 15.0, which reads only an index's low 4 bits (the
+// AND and the conversion in one op); elsewhere hi = floor(byte / 16) and lo = byte - 16 hi, exact in fp32.
+static inline void nibble_floats(const uint8_t* p, FVec& lo, FVec& hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
   lo = _mm512_permutexvar_ps(v, table);
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-static inline __m512 half16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  const FVec byte = vec_loads::bytes_to_float<false>(p);
+  hi = (byte * FVec(0.0625f)).floor();
+  lo = byte - hi * FVec(16.f);
+#endif
 }
 
-// One panel's K x 32 fp32 values (groups x 32 steps) into `out`, 64-byte aligned.
+// One K step of a compact panel's block as kPanelVecs vectors of 32 fp32 weights: affine4 from the step's 16 code
+// bytes (byte j: column j low, column j + 16 high), sym8 from its 32 int8 codes; s and o are the block's scales and
+// offsets as vectors.
+template <bool kAffine>
+static inline void rebuild_step(const uint8_t* blk, int64_t k, const FVec* s, const FVec* o, FVec* w) {
+  if constexpr (kAffine) {
+    constexpr int kHalf = kPanelVecs / 2;  // vectors of columns 0-15 (low nibbles), then 16-31 (high)
+    for (int v = 0; v < kHalf; ++v) {
+      FVec lo, hi;
+      nibble_floats(blk + 128 + 16 * k + v * kLanes, lo, hi);
+      w[v] = affine4_value(lo, s[v], o[v]);
+      w[v + kHalf] = affine4_value(hi, s[v + kHalf], o[v + kHalf]);
+    }
+  } else {
+    for (int v = 0; v < kPanelVecs; ++v)
+      w[v] = mul_rn(vec_loads::bytes_to_float<true>(blk + 64 + 32 * k + v * kLanes), s[v]);
+  }
+}
+
+// A block's scales (and offsets), one vector per kLanes columns.
+template <bool kAffine>
+static inline void block_scales(const uint8_t* blk, FVec* s, FVec* o) {
+  for (int v = 0; v < kPanelVecs; ++v) {
+    s[v] = vec_loads::halves_to_float(blk + 2 * kLanes * v);
+    if constexpr (kAffine) o[v] = vec_loads::halves_to_float(blk + 64 + 2 * kLanes * v);
+  }
+}
+
+// One panel's K x 32 fp32 values (groups x 32 steps) into `out`.
 static void rebuild_panel(const uint8_t* src, int64_t groups, int64_t block, float* out) {
   for (int64_t g = 0; g < groups; ++g, src += block, out += kGroup * kCols) {
-    const __m512 s0 = half16(src), s1 = half16(src + 32);
+    FVec s[kPanelVecs], o[kPanelVecs], w[kPanelVecs];
     if (block == kAffine4Block) {
-      const __m512 o0 = half16(src + 64), o1 = half16(src + 96);
-      const uint8_t* codes = src + 128;
+      block_scales<true>(src, s, o);
       for (int64_t k = 0; k < kGroup; ++k) {
-        __m512 q0, q1;
-        nibble_floats(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * k))), q0, q1);
-        _mm512_store_ps(out + k * kCols, affine4_value(q0, s0, o0));
-        _mm512_store_ps(out + k * kCols + 16, affine4_value(q1, s1, o1));
+        rebuild_step<true>(src, k, s, o, w);
+        for (int v = 0; v < kPanelVecs; ++v) w[v].store(out + k * kCols + v * kLanes);
       }
     } else {
-      const uint8_t* codes = src + 64;
+      block_scales<false>(src, s, o);
       for (int64_t k = 0; k < kGroup; ++k) {
-        const __m512i v0 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * k)));
-        const __m512i v1 = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 32 * k + 16)));
-        _mm512_store_ps(out + k * kCols, mul_rn(_mm512_cvtepi32_ps(v0), s0));
-        _mm512_store_ps(out + k * kCols + 16, mul_rn(_mm512_cvtepi32_ps(v1), s1));
+        rebuild_step<false>(src, k, s, o, w);
+        for (int v = 0; v < kPanelVecs; ++v) w[v].store(out + k * kCols + v * kLanes);
       }
     }
   }
@@ -176,70 +228,47 @@ static void rebuild_panel(const uint8_t* src, int64_t groups, int64_t block, flo
 // Up to kFusedMaxRows rows of x run straight from the codes: NP panels side by side, each step's 32 values of
 // each panel rebuilt in registers (the same arithmetic as rebuild_panel) and used at once. Each output is
 // still one FMA chain over k in order from zero, then + bias, so results are the fp32 panels' bitwise. Why:
-// with so few rows a tile's 2 x MR accumulator chains leave the FMA units waiting on their latency, and
-// rebuilding through the scratch costs a store and a load per value; NP panels give 2 x MR x NP chains.
+// with so few rows a tile's accumulator chains leave the FMA units waiting on their latency, and
+// rebuilding through the scratch costs a store and a load per value; NP panels give NP times the chains.
 // Each panel's block two groups ahead is prefetched as a group starts.
-constexpr int kFusedMaxRows = 12;
-
-template <bool kAffine>
-static inline void rebuild_step(const uint8_t* blk, int64_t k, const __m512 s[2], const __m512 o[2], __m512& w0,
-                                __m512& w1) {
-  if constexpr (kAffine) {
-    __m512 q0, q1;
-    nibble_floats(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * k))), q0, q1);
-    w0 = affine4_value(q0, s[0], o[0]);
-    w1 = affine4_value(q1, s[1], o[1]);
-  } else {
-    const uint8_t* codes = blk + 64 + 32 * k;
-    w0 = mul_rn(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes)))), s[0]);
-    w1 = mul_rn(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16)))),
-                s[1]);
-  }
-}
+// The accumulators (NP x rows x kPanelVecs) stay within 24 on AVX-512's 32 registers and 12 on AVX2's 16.
+constexpr int kFusedMaxRows = kLanes == 16 ? 12 : 3;
 
 template <int MR, int NP, bool kAffine>
 static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t panel_bytes, int64_t groups, float* c,
                        int64_t ldc, const float* bias, int64_t cols) {
   constexpr int64_t block = kAffine ? kAffine4Block : kSym8Block;
-  __m512 acc[NP][MR][2];
+  FVec acc[NP][MR][kPanelVecs];
   for (int j = 0; j < NP; ++j)
-    for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kPanelVecs; ++v) acc[j][i][v] = FVec(0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk[NP];
-    __m512 s[NP][2], o[NP][2];
+    FVec s[NP][kPanelVecs], o[NP][kPanelVecs];
     for (int j = 0; j < NP; ++j) {
       blk[j] = src + j * panel_bytes + g * block;
-      s[j][0] = half16(blk[j]);
-      s[j][1] = half16(blk[j] + 32);
-      if constexpr (kAffine) {
-        o[j][0] = half16(blk[j] + 64);
-        o[j][1] = half16(blk[j] + 96);
-      }
+      block_scales<kAffine>(blk[j], s[j], o[j]);
       if (g + 2 < groups)
         for (int64_t line = 0; line < block; line += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j]) + 2 * block + line, _MM_HINT_T0);
     }
     const float* ag = a + g * kGroup;
     for (int64_t k = 0; k < kGroup; ++k) {
       for (int j = 0; j < NP; ++j) {
-        __m512 w0, w1;
-        rebuild_step<kAffine>(blk[j], k, s[j], o[j], w0, w1);
+        FVec w[kPanelVecs];
+        rebuild_step<kAffine>(blk[j], k, s[j], o[j], w);
         for (int i = 0; i < MR; ++i) {
-          const __m512 av = _mm512_set1_ps(ag[i * lda + k]);
-          acc[j][i][0] = _mm512_fmadd_ps(av, w0, acc[j][i][0]);
-          acc[j][i][1] = _mm512_fmadd_ps(av, w1, acc[j][i][1]);
+          const FVec av(ag[i * lda + k]);
+          for (int v = 0; v < kPanelVecs; ++v) acc[j][i][v] = at::vec::fmadd(av, w[v], acc[j][i][v]);
         }
       }
     }
   }
   for (int j = 0; j < NP; ++j) {
-    const int64_t left = cols - j * kCols;
-    const __mmask16 m0 = lanes(left), m1 = lanes(left - 16);
     const float* bj = bias ? bias + j * kCols : nullptr;
-    const __m512 b0 = bj ? _mm512_maskz_loadu_ps(m0, bj) : _mm512_setzero_ps();
-    const __m512 b1 = bj ? _mm512_maskz_loadu_ps(m1, bj + 16) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) {
-      _mm512_mask_storeu_ps(c + i * ldc + j * kCols, m0, _mm512_add_ps(acc[j][i][0], b0));
-      _mm512_mask_storeu_ps(c + i * ldc + j * kCols + 16, m1, _mm512_add_ps(acc[j][i][1], b1));
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const int64_t n = cols - j * kCols - v * kLanes;
+      const FVec b = bj ? vec_loads::load_first(bj + v * kLanes, n) : FVec(0.f);
+      for (int i = 0; i < MR; ++i) vec_loads::store_first(acc[j][i][v] + b, c + i * ldc + j * kCols + v * kLanes, n);
     }
   }
 }
@@ -247,8 +276,11 @@ static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t 
 using FusedFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t, const float*,
                          int64_t);
 
-// Panels side by side for `rows` rows: up to 4 for one row, 2 for 2-4 rows, else 1 (the registers allow no more).
-constexpr int fused_width(int rows) { return rows == 1 ? 4 : (rows <= 4 ? 2 : 1); }
+// Panels side by side for `rows` rows, as the registers allow: on AVX-512 up to 4 for one row, 2 for 2-4 rows, else
+// 1; on AVX2 2 for one row, else 1.
+constexpr int fused_width(int rows) {
+  return kLanes == 16 ? (rows == 1 ? 4 : (rows <= 4 ? 2 : 1)) : (rows == 1 ? 2 : 1);
+}
 constexpr int kMaxFusedWidth = 4;
 
 // fused_rows<R, NP> where NP panels side by side fit R rows' registers, else nullptr (not instantiated).
@@ -328,10 +360,8 @@ static int64_t compact_block(const torch::Tensor& packed) {
 }
 
 }  // namespace panel_gemm
-#endif
 
 torch::Tensor unpack_compact_panels(torch::Tensor packed, int64_t out_features) {
-#if defined(__AVX512F__)
   using namespace panel_gemm;
   const int64_t block = checked_compact(packed, out_features, "unpack_compact_panels");
   const int64_t P = packed.size(0), G = packed.size(1), K = G * kGroup;
@@ -343,16 +373,11 @@ torch::Tensor unpack_compact_panels(torch::Tensor packed, int64_t out_features) 
   });
   // [P, K, 32] -> [P * 32, K], the padding columns dropped.
   return panels.transpose(1, 2).reshape({P * kCols, K}).narrow(0, 0, out_features).contiguous();
-#else
-  TORCH_CHECK(false, "unpack_compact_panels needs AVX-512");
-  return packed;
-#endif
 }
 
 // Rows `ids` of the weight that compact panels hold, [ids, K] fp32: the token embeddings of a tied table whose
 // fp32 copy was freed. Each value is rebuilt with rebuild_panel's roundings (the same bits).
 torch::Tensor compact_rows(torch::Tensor packed, torch::Tensor ids, int64_t out_features) {
-#if defined(__AVX512F__)
   using namespace panel_gemm;
   const int64_t block = checked_compact(packed, out_features, "compact_rows");
   const int64_t G = packed.size(1), K = G * kGroup;
@@ -366,14 +391,14 @@ torch::Tensor compact_rows(torch::Tensor packed, torch::Tensor ids, int64_t out_
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const bool affine = block == kAffine4Block;
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    alignas(64) int32_t codes[kGroup];
+    alignas(64) float codes[kGroup];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t col = id[i] % kCols;
       const uint8_t* blk = base + (id[i] / kCols) * G * block;
       for (int64_t g = 0; g < G; ++g, blk += block) {
         const auto* halves = reinterpret_cast<const at::Half*>(blk);
-        const __m512 s = _mm512_set1_ps(static_cast<float>(halves[col]));
-        const __m512 o = _mm512_set1_ps(affine ? static_cast<float>(halves[kCols + col]) : 0.f);
+        const FVec s(static_cast<float>(halves[col]));
+        const FVec o(affine ? static_cast<float>(halves[kCols + col]) : 0.f);
         for (int64_t k = 0; k < kGroup; ++k) {
           if (affine) {
             const uint8_t byte = blk[128 + 16 * k + col % 16];
@@ -383,27 +408,19 @@ torch::Tensor compact_rows(torch::Tensor packed, torch::Tensor ids, int64_t out_
           }
         }
         float* row = dst + i * K + g * kGroup;
-        for (int64_t h = 0; h < kGroup; h += 16) {
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_load_si512(codes + h));
-          _mm512_storeu_ps(row + h, affine ? affine4_value(q, s, o) : mul_rn(q, s));
+        for (int64_t h = 0; h < kGroup; h += kLanes) {
+          const FVec q = FVec::loadu(codes + h);
+          (affine ? affine4_value(q, s, o) : mul_rn(q, s)).store(row + h);
         }
       }
     }
   });
   return out;
-#else
-  TORCH_CHECK(false, "compact_rows needs AVX-512");
-  return packed;
-#endif
 }
 
-bool panel_gemm_available() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+// The panel kernels run in every module; they are the fast path (and the engine packs panels) where the module is
+// built for AVX2 or AVX-512, not on the scalar baseline.
+bool panel_gemm_available() { return vec_loads::kSimd; }
 
 torch::Tensor pack_panels(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.device().is_cpu(),
@@ -417,7 +434,6 @@ torch::Tensor pack_panels(torch::Tensor w) {
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                            c10::optional<torch::Tensor> bias) {
-#if defined(__AVX512F__)
   using namespace panel_gemm;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "panel_linear takes fp32 x [rows, in_features]");
   const bool compact = packed.scalar_type() == torch::kByte;
@@ -442,7 +458,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
   const int64_t panel_bytes = compact ? packed.size(1) * block : K * kCols * 4;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Rows split into equal tiles of at most 12 (50 rows: five of 10, not four of 12 and one of 2).
+  // Rows split into equal tiles of at most kMaxTileRows (50 rows on AVX-512: five of 10, not four of 12 and one of 2).
   const int64_t ntiles = (M + kMaxTileRows - 1) / kMaxTileRows, per = (M + ntiles - 1) / ntiles;
   // From page_head_rows() rows up (and for compact panels), each tile prefetches its share of the next panel
   // into L2, spread over its K steps: one line per step,
@@ -482,7 +498,6 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
     float* scratch = compact ? panel_scratch(K * kCols) : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min<int64_t>(kCols, N - p * kCols);
-      const __mmask16 m0 = lanes(cols), m1 = lanes(cols - 16);
       const char* src = wp + p * panel_bytes;
       const float* panel = reinterpret_cast<const float*>(src);
       if (compact) {
@@ -500,13 +515,10 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fe
           lines = std::max<int64_t>(0, std::min(share, panel_lines - t * share));
         }
         const TileFn fn = kTiles[page_heads ? kPageHeads : (lines < pf * K ? 0 : pf)][rows];
-        fn(xp + m * lda, lda, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr, m0, m1, ahead, lines);
+        fn(xp + m * lda, lda, panel, K, yp + m * N + p * kCols, N, bp ? bp + p * kCols : nullptr, cols, ahead,
+           lines);
       }
     }
   });
   return y;
-#else
-  TORCH_CHECK(false, "panel_linear needs AVX-512 (panel_gemm_available() is false on this CPU)");
-  return x;
-#endif
 }

@@ -23,8 +23,8 @@ from engine.models import linear as lin
 from tests.conftest import write_tiny_model
 
 # Slow tier (loads SmolLM2): `ops/dev.sh test --fast` leaves it out.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="compact panels run on the panel kernel, "
-                                "which needs AVX-512 and the CPU extension")]
+# Every test runs on the AVX2 and the AVX-512 kernel module (tests/conftest.py's kernel_isa).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kernel_isa")]
 
 BLOCK = {"Q4_0": cw.SYM8_BLOCK, "Q4_1": cw.AFFINE4_BLOCK, "Q8_0": cw.SYM8_BLOCK}
 

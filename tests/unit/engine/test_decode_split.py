@@ -9,7 +9,6 @@ from engine import LLM
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.models import decode_split
-from engine.models import linear as lin
 from tests.conftest import write_tiny_model
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
@@ -45,7 +44,7 @@ def test_cpu_decode_split_rows_takes_auto_or_a_positive_integer():
             EngineConfig(model="m", cpu_decode_split_rows=bad)
 
 
-@pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel (AVX-512)")
+@pytest.mark.usefixtures("kernel_isa")
 def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_one(tmp_path):
     path = write_tiny_model(tmp_path / "llama", "llama", seed=5)
     threads = torch.get_num_threads()
@@ -69,7 +68,7 @@ def test_the_engine_measures_its_split_at_start_with_two_threads_and_not_with_on
         torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(not lin._panel_kernel(), reason="the CPU extension")
+@pytest.mark.usefixtures("kernel_isa")
 def test_stream_read_all_reads_every_byte_of_every_tensor():
     """With an odd number of threads the folded value is one thread's: the xor of every 8-byte word of each
     tensor's whole 256-byte chunks and of each byte after them."""

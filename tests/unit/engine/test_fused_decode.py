@@ -15,12 +15,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels.cpu_build import cpu_kernels
-from engine.models import linear as lin
 from tests.conftest import write_tiny_model
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel, "
-                                "which needs AVX-512 and the CPU extension")]
+# Every test runs on the AVX2 and the AVX-512 kernel module (tests/conftest.py's kernel_isa).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kernel_isa")]
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
 

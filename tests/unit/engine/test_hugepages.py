@@ -21,12 +21,12 @@ needs_thp = pytest.mark.skipif(not hugepages.available(), reason="this host give
 
 @pytest.fixture(params=["panel-kernel", "onednn-packing"])
 def packing(request, monkeypatch):
-    """Both ways `prepack` packs an fp32 weight: panels for the panel kernel (AVX-512 hosts), or oneDNN's
-    opaque blocked layout (every other host, emulated here by hiding the panel kernel)."""
+    """Both ways `prepack` packs an fp32 weight: panels for the panel kernel (AVX2 and AVX-512 hosts), or oneDNN's
+    opaque blocked layout (where the kernels cannot be built, emulated here by hiding the panel kernel)."""
     if request.param == "onednn-packing":
         monkeypatch.setattr(linear_module, "_panel_kernel", lambda: False)
     elif not linear_module._panel_kernel():
-        pytest.skip("this host has no AVX-512 panel kernel")
+        pytest.skip("this host has no AVX2: no panel kernel")
     return request.param
 
 

@@ -15,7 +15,8 @@ from engine.kernels.cpu_build import cpu_kernels
 from engine.models import linear as lin
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not lin._panel_kernel(), reason="the panel kernel needs AVX-512 and the CPU extension")]
+# Every test runs on the AVX2 and the AVX-512 kernel module (tests/conftest.py's kernel_isa).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kernel_isa")]
 
 
 def reference(x, w, b=None):
