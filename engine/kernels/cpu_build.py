@@ -37,7 +37,7 @@ _SOURCES = (
     _ENGINE / "models" / "csrc" / "compact_codes.cpp",
     _ENGINE / "models" / "csrc" / "decode_layers.cpp",
 )
-_FUNCTIONS = ["vector_lanes", "paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
+_FUNCTIONS = ["vector_lanes", "set_torch_vector_lanes", "paged_decode_attention", "skinny_linear", "invariant_linear", "paged_decode_attention_int8",
               "int8_linear", "int4_linear", "rms_norm_rows", "add_rms_norm_rows", "rope_rows_", "silu_mul_rows_",
               "panel_gemm_available", "pack_panels", "panel_linear", "unpack_compact_panels", "compact_rows",
               "pack_compact_panels", "compact_panels_match", "decode_layers", "stream_read_all",
@@ -124,7 +124,7 @@ def _load_module(isa: str) -> ModuleType:
     flags = build_flags(isa)
     # NOTE: the name keeps its historical prefix so that builds cached on disk stay valid.
     digest = hashlib.sha1((source + " ".join(flags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
-    return load_inline(
+    module = load_inline(
         name=f"infinilm_paged_attention_cpu_{isa}_{digest}",
         cpp_sources=[source],
         functions=_FUNCTIONS,
@@ -132,6 +132,9 @@ def _load_module(isa: str) -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+    # silu_mul_rows_ splits a row as ATen's own loop does, by ATen's vector width, to keep torch's bits.
+    module.set_torch_vector_lanes(16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
+    return module
 
 
 def kernels_available() -> bool:

@@ -11,7 +11,6 @@ Batch-invariant mode always takes the kernel, whose rows never depend on each ot
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
 import torch
 from torch import nn
@@ -24,11 +23,10 @@ KERNEL_MAX_ROWS = 64
 _DEQUANT_SLICE = 1 << 24
 
 
-@cache
 def _kernels():
-    from engine.kernels.cpu_build import kernels_available, load_kernels
+    from engine.kernels.cpu_build import cpu_kernels
 
-    return load_kernels() if kernels_available() else None
+    return cpu_kernels()
 
 
 def _use_kernel(x: torch.Tensor) -> bool:

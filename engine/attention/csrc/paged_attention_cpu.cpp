@@ -36,54 +36,38 @@ static inline const float* row_as_float(const scalar_t* src, float* buf, int64_t
   else { for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]); return buf; }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-// Four 8-lane partial sums -> their four totals, with three hadds instead of four full reductions.
-static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
+using vec_loads::kLanes;
 
-// scores[t] = scale * q . k_t for t in [0, L), four tokens at a time; q is one head (D floats).
+// scores[t] = scale * q . k_t for t in [0, L), four tokens at a time; q is one head (D = NV vectors).
 template <int NV>
 static void qk_head(const float* q, const float* const* krows, int64_t L, float scale, float* scores) {
-  __m256 qv[NV];
-  for (int c = 0; c < NV; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
-  const __m128 sc = _mm_set1_ps(scale);
+  Vec qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = Vec::loadu(q + kLanes * c);
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int c = 0; c < NV; ++c) {
-      a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t] + 8 * c), a0);
-      a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t + 1] + 8 * c), a1);
-      a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t + 2] + 8 * c), a2);
-      a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t + 3] + 8 * c), a3);
-    }
-    _mm_storeu_ps(scores + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), sc));
+    Vec a[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+    for (int c = 0; c < NV; ++c)
+      for (int u = 0; u < 4; ++u) a[u] = at::vec::fmadd(qv[c], Vec::loadu(krows[t + u] + kLanes * c), a[u]);
+    for (int u = 0; u < 4; ++u) scores[t + u] = vec_loads::reduce_add(a[u]) * scale;
   }
   for (; t < L; ++t) {
-    __m256 a = _mm256_setzero_ps();
-    for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(krows[t] + 8 * c), a);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    r = _mm_hadd_ps(r, r);
-    r = _mm_hadd_ps(r, r);
-    scores[t] = _mm_cvtss_f32(r) * scale;
+    Vec a(0.f);
+    for (int c = 0; c < NV; ++c) a = at::vec::fmadd(qv[c], Vec::loadu(krows[t] + kLanes * c), a);
+    scores[t] = vec_loads::reduce_add(a) * scale;
   }
 }
 
 // out = sum_t p[t] * v_t, accumulated in registers.
 template <int NV>
 static void pv_head(const float* p, const float* const* vrows, int64_t L, float* out) {
-  __m256 acc[NV];
-  for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+  Vec acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = Vec(0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const __m256 pt = _mm256_set1_ps(p[t]);
-    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vrows[t] + 8 * c), acc[c]);
+    const Vec pt(p[t]);
+    for (int c = 0; c < NV; ++c) acc[c] = at::vec::fmadd(pt, Vec::loadu(vrows[t] + kLanes * c), acc[c]);
   }
-  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  for (int c = 0; c < NV; ++c) acc[c].store(out + kLanes * c);
 }
-#define HAVE_AVX2_HEADS 1
-#endif
 
 static void qk_generic(const float* q, const float* const* krows, int64_t L, int64_t D, float scale, float* scores) {
   for (int64_t t = 0; t < L; ++t) scores[t] = dot(q, krows[t], D) * scale;
@@ -103,26 +87,18 @@ static void attend_heads(const float* qp, float* op, const float* const* krows, 
     const int64_t h = kh * G + g;
     const float* qh = qp + (b * H + h) * D;
     float* sg = scores + g * L;
-#ifdef HAVE_AVX2_HEADS
-    if (D == 64) qk_head<8>(qh, krows, L, sc, sg);
-    else if (D == 128) qk_head<16>(qh, krows, L, sc, sg);
+    if (D == 64) qk_head<64 / kLanes>(qh, krows, L, sc, sg);
+    else if (D == 128) qk_head<128 / kLanes>(qh, krows, L, sc, sg);
     else qk_generic(qh, krows, L, D, sc, sg);
-#else
-    qk_generic(qh, krows, L, D, sc, sg);
-#endif
     float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sg, L);
     at::vec::map([m](Vec x) { return (x - Vec(m)).exp_u20(); }, sg, sg, L);
     float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sg, L);
     const float inv = 1.f / sum;
     at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
     float* oh = op + (b * H + h) * D;
-#ifdef HAVE_AVX2_HEADS
-    if (D == 64) pv_head<8>(sg, vrows, L, oh);
-    else if (D == 128) pv_head<16>(sg, vrows, L, oh);
+    if (D == 64) pv_head<64 / kLanes>(sg, vrows, L, oh);
+    else if (D == 128) pv_head<128 / kLanes>(sg, vrows, L, oh);
     else pv_generic(sg, vrows, L, D, oh);
-#else
-    pv_generic(sg, vrows, L, D, oh);
-#endif
   }
 }
 
@@ -170,22 +146,6 @@ void decode_attn_impl(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torc
   });
 }
 
-#if defined(__AVX512F__)
-#define HAVE_AVX512_DECODE 1
-// Sixteen vectors -> one vector of their sixteen lane sums (lane j = sum of v[j]), by a transpose-add tree.
-static inline __m512 reduce16(const __m512* v) {
-  __m512 a[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d, e, 0x88), _mm512_shuffle_f32x4(d, e, 0xDD));
-}
-
 static inline void prefetch_bytes(const void* p, int64_t bytes, int hint_l2) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) {
@@ -194,15 +154,17 @@ static inline void prefetch_bytes(const void* p, int64_t bytes, int hint_l2) {
 }
 
 alignas(64) static const float kZeroRow[256] = {};
+// Accumulators the register file holds beside a kernel's loads: 24 of AVX-512's 32, 12 of AVX2's 16.
+constexpr int kAccumulators = kLanes == 16 ? 24 : 12;
 
-// Where decode_seq_512 reads K and V rows: an fp32 cache is read in place (Fp32Rows); an int8 cache
+// Where decode_seq reads K and V rows: an fp32 cache is read in place (Fp32Rows); an int8 cache
 // (Int8Rows, paged_attention_int8_cpu.cpp) converts up to one block's K rows of one KV head to fp32 in a
 // small scratch that stays in L1 and scales the rows' scores, and converts V rows as pass 2 reads them,
 // folding each row's scale into its weight. The arithmetic after that is the same code for both.
 // V rows for pv_heads, fp32 in place through row pointers; the weights are the probabilities.
 struct PtrRows {
   const float* const* ptrs;
-  __m512 vec(int64_t j, int c) const { return _mm512_loadu_ps(ptrs[j] + 16 * c); }
+  Vec vec(int64_t j, int c) const { return Vec::loadu(ptrs[j] + kLanes * c); }
   float weight(const float* p, int64_t j) const { return p[j]; }
 };
 
@@ -232,7 +194,7 @@ struct Fp32Rows {
 };
 
 // Where a block's prefetches go out: spread evenly over the row steps of the pass that reads the block
-// before, a line or two per step. Pass 1's step r of a block (r = 16 * (chunk * H + head) + row) sends lines
+// before, a line or two per step. Pass 1's step r of a block (r = kLanes * (chunk * H + head) + row) sends lines
 // [cut[r], cut[r + 1]) of the next K block to L1 and of this V block to L2; pass 2's entries r = head *
 // ceil(BS / 2) + row / 2 send lines [cut2[r], cut2[r + 1]) of the next V block to L1 (pv_heads, which takes
 // a group's heads together, walks the group's entries HG at a time, one step per pair of rows). A Rows type
@@ -243,27 +205,23 @@ struct Fp32Rows {
 struct PrefetchPlan {
   std::vector<int64_t> cut, cut2;
   PrefetchPlan(int64_t lines, int64_t BS, int64_t H) {
-    const int64_t R = (BS + 15) / 16 * H * 16, R2 = H * ((BS + 1) / 2);
+    const int64_t R = (BS + kLanes - 1) / kLanes * H * kLanes, R2 = H * ((BS + 1) / 2);
     for (int64_t r = 0; r <= R; ++r) cut.push_back(lines * r / R);
     for (int64_t r = 0; r <= R2; ++r) cut2.push_back(lines * r / R2);
   }
 };
 
-// Pass 2 of decode_seq_512 for HG heads that share a KV head: out[g] += sum_j w(g, j) * row_j over the
-// block's n rows, the heads side by side in one pass over the rows. `rows` gives vector c of row j
-// (rows.vec(j, c)) and head g's weight for row j (rows.weight(p + g * Ls, j)). Per head the sum is the same
-// sequence of FMAs as one head at a time (even rows into one accumulator, odd rows into another, added at the
-// end); side by side there are HG times as many independent chains, and each row is read, and each prefetch
-// step taken, once rather than once per head. Step s of the rows sends lines [cut[HG * s], cut[HG * (s + 1)])
-// of the next V block (vpf) to L1 (PerRow), or all of the group's at the start; with PerRow, the same lines of
-// the V block after next (vpf2) go to L2.
-template <int NV, int HG, bool PerRow, typename RowReader>
-static inline void pv_heads(const RowReader& rows, const float* p, int64_t Ls, int64_t n, float* out,
-                            const char* vpf, const int64_t* cut, const char* vpf2 = nullptr) {
-  constexpr int64_t D = 16 * NV;
-  __m512 acc[HG][NV], acc2[HG][NV];
+// Columns [c0, c0 + CV) of pv_heads (below).
+template <int NV, int HG, int CV, bool PerRow, typename RowReader>
+static inline void pv_heads_cols(const RowReader& rows, const float* p, int64_t Ls, int64_t n, float* out, int c0,
+                                 const char* vpf, const int64_t* cut, const char* vpf2) {
+  constexpr int64_t D = kLanes * NV;
+  Vec acc[HG][CV], acc2[HG][CV];
   for (int g = 0; g < HG; ++g)
-    for (int c = 0; c < NV; ++c) { acc[g][c] = _mm512_loadu_ps(out + g * D + 16 * c); acc2[g][c] = _mm512_setzero_ps(); }
+    for (int c = 0; c < CV; ++c) {
+      acc[g][c] = Vec::loadu(out + g * D + kLanes * (c0 + c));
+      acc2[g][c] = Vec(0.f);
+    }
   if (!PerRow && vpf)
     for (int64_t l = cut[0]; l < cut[HG * ((n + 1) / 2)]; ++l) _mm_prefetch(vpf + 64 * l, _MM_HINT_T0);
   int64_t j = 0;
@@ -273,41 +231,59 @@ static inline void pv_heads(const RowReader& rows, const float* p, int64_t Ls, i
         _mm_prefetch(vpf + 64 * l, _MM_HINT_T0);
         if (vpf2) _mm_prefetch(vpf2 + 64 * l, _MM_HINT_T1);
       }
-    __m512 p0[HG], p1[HG];
+    Vec p0[HG], p1[HG];
     for (int g = 0; g < HG; ++g) {
-      p0[g] = _mm512_set1_ps(rows.weight(p + g * Ls, j));
-      p1[g] = _mm512_set1_ps(rows.weight(p + g * Ls, j + 1));
+      p0[g] = Vec(rows.weight(p + g * Ls, j));
+      p1[g] = Vec(rows.weight(p + g * Ls, j + 1));
     }
-    for (int c = 0; c < NV; ++c) {
-      const __m512 v0 = rows.vec(j, c), v1 = rows.vec(j + 1, c);
+    for (int c = 0; c < CV; ++c) {
+      const Vec v0 = rows.vec(j, c0 + c), v1 = rows.vec(j + 1, c0 + c);
       for (int g = 0; g < HG; ++g) {
-        acc[g][c] = _mm512_fmadd_ps(p0[g], v0, acc[g][c]);
-        acc2[g][c] = _mm512_fmadd_ps(p1[g], v1, acc2[g][c]);
+        acc[g][c] = at::vec::fmadd(p0[g], v0, acc[g][c]);
+        acc2[g][c] = at::vec::fmadd(p1[g], v1, acc2[g][c]);
       }
     }
   }
   if (j < n) {
     for (int g = 0; g < HG; ++g) {
-      const __m512 p0 = _mm512_set1_ps(rows.weight(p + g * Ls, j));
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p0, rows.vec(j, c), acc[g][c]);
+      const Vec p0(rows.weight(p + g * Ls, j));
+      for (int c = 0; c < CV; ++c) acc[g][c] = at::vec::fmadd(p0, rows.vec(j, c0 + c), acc[g][c]);
     }
   }
   for (int g = 0; g < HG; ++g)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_add_ps(acc[g][c], acc2[g][c]));
+    for (int c = 0; c < CV; ++c) (acc[g][c] + acc2[g][c]).store(out + g * D + kLanes * (c0 + c));
 }
 
-// One sequence, all heads (D = 16 * NV). Pass 1 reads K block by block, contiguously, and writes every
-// head's scores, sixteen tokens per reduction; exact softmax per head; pass 2 reads V the same way. Scratch:
+// Pass 2 of decode_seq for HG heads that share a KV head: out[g] += sum_j w(g, j) * row_j over the
+// block's n rows, the heads side by side in one pass over the rows. `rows` gives vector c of row j
+// (rows.vec(j, c)) and head g's weight for row j (rows.weight(p + g * Ls, j)). Per head the sum is the same
+// sequence of FMAs as one head at a time (even rows into one accumulator, odd rows into another, added at the
+// end); side by side there are HG times as many independent chains, and each row is read, and each prefetch
+// step taken, once rather than once per head. Step s of the rows sends lines [cut[HG * s], cut[HG * (s + 1)])
+// of the next V block (vpf) to L1 (PerRow), or all of the group's at the start; with PerRow, the same lines of
+// the V block after next (vpf2) go to L2. The columns go CV vectors at a time (CV < NV where the accumulators
+// would not fit the registers, AVX2's 16 for head_dim 64 or 128), the prefetches with the first; each element's
+// sum is the same either way.
+template <int NV, int HG, int CV, bool PerRow, typename RowReader>
+static inline void pv_heads(const RowReader& rows, const float* p, int64_t Ls, int64_t n, float* out,
+                            const char* vpf, const int64_t* cut, const char* vpf2 = nullptr) {
+  static_assert(NV % CV == 0);
+  for (int c0 = 0; c0 < NV; c0 += CV)
+    pv_heads_cols<NV, HG, CV, PerRow>(rows, p, Ls, n, out, c0, c0 == 0 ? vpf : nullptr, cut, vpf2);
+}
+
+// One sequence, all heads (D = kLanes * NV). Pass 1 reads K block by block, contiguously, and writes every
+// head's scores, kLanes tokens per reduction (lane_sums); exact softmax per head; pass 2 reads V the same way. Scratch:
 // BS * D floats (used by Rows that dequantize), BS + 16 row pointers.
 template <int NV, typename Rows>
-static void decode_seq_512(const float* q, float* out, const Rows& src, const int64_t* table, int64_t L, int64_t BS,
+static void decode_seq(const float* q, float* out, const Rows& src, const int64_t* table, int64_t L, int64_t BS,
                            int64_t H, int64_t KVH, float scale, float* scores, int64_t Ls, float* scratch,
                            const float** ptrs, const PrefetchPlan& plan) {
   const int64_t* cut = plan.cut.data();
   const int64_t* cut2 = plan.cut2.data();
-  constexpr int64_t D = 16 * NV;
+  constexpr int64_t D = kLanes * NV;
   const int64_t G = H / KVH, nblk = (L + BS - 1) / BS;
-  const __m512 sc = _mm512_set1_ps(scale);
+  const Vec sc(scale);
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
     // Lines of the next K block go to L1, lines of this V block and of the K block after next to L2 (with
@@ -319,43 +295,43 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
     if (kpf) src.prefetch_extra(0, table[i + 1], 0);
     if (kpf2) src.prefetch_extra(0, table[i + 2], 1);
     src.prefetch_extra(1, table[i], 1);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - j0);
       for (int64_t kh = 0; kh < KVH; ++kh) {
-        const float* rows[16];
-        alignas(64) float row_scale[16];
+        const float* rows[kLanes];
+        alignas(64) float row_scale[kLanes];
         src.template rows<NV>(table[i], j0, m, kh, scratch, rows, row_scale);
-        for (int64_t jj = m; jj < 16; ++jj) rows[jj] = kZeroRow;
-        __m512 score_scale = sc;
+        for (int64_t jj = m; jj < kLanes; ++jj) rows[jj] = kZeroRow;
+        Vec score_scale = sc;
         if constexpr (Rows::kRowScales) {
-          for (int64_t jj = m; jj < 16; ++jj) row_scale[jj] = 0.f;
-          score_scale = _mm512_mul_ps(sc, _mm512_load_ps(row_scale));
+          for (int64_t jj = m; jj < kLanes; ++jj) row_scale[jj] = 0.f;
+          score_scale = sc * Vec::loadu(row_scale);
         }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
-          const int64_t* c0 = cut + 16 * ((j0 / 16) * H + h);
-          __m512 qv[NV];
-          for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + h * D + 16 * c);
-          __m512 a[16];
+          const int64_t* c0 = cut + kLanes * ((j0 / kLanes) * H + h);
+          Vec qv[NV];
+          for (int c = 0; c < NV; ++c) qv[c] = Vec::loadu(q + h * D + kLanes * c);
+          Vec a[kLanes];
           if constexpr (!Rows::kPrefetchPerRow)
-            for (int64_t l = c0[0]; l < c0[16]; ++l) {
+            for (int64_t l = c0[0]; l < c0[kLanes]; ++l) {
               if (kpf) _mm_prefetch(kpf + 64 * l, _MM_HINT_T0);
               _mm_prefetch(vpf + 64 * l, _MM_HINT_T1);
               if (kpf2) _mm_prefetch(kpf2 + 64 * l, _MM_HINT_T1);
             }
 #pragma GCC unroll 16
-          for (int jj = 0; jj < 16; ++jj) {
+          for (int jj = 0; jj < kLanes; ++jj) {
             if constexpr (Rows::kPrefetchPerRow)
               for (int64_t l = c0[jj]; l < c0[jj + 1]; ++l) {
                 if (kpf) _mm_prefetch(kpf + 64 * l, _MM_HINT_T0);
                 _mm_prefetch(vpf + 64 * l, _MM_HINT_T1);
                 if (kpf2) _mm_prefetch(kpf2 + 64 * l, _MM_HINT_T1);
               }
-            __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[jj]));
-            for (int c = 1; c < NV; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[jj] + 16 * c), s);
+            Vec s = qv[0] * Vec::loadu(rows[jj]);
+            for (int c = 1; c < NV; ++c) s = at::vec::fmadd(qv[c], Vec::loadu(rows[jj] + kLanes * c), s);
             a[jj] = s;
           }
-          _mm512_storeu_ps(scores + h * Ls + i * BS + j0, _mm512_mul_ps(reduce16(a), score_scale));
+          (vec_loads::lane_sums(a) * score_scale).store(scores + h * Ls + i * BS + j0);
         }
       }
     }
@@ -369,7 +345,7 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
     at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
   }
   for (int64_t h = 0; h < H; ++h)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_setzero_ps());
+    for (int c = 0; c < NV; ++c) Vec(0.f).store(out + h * D + kLanes * c);
   const int64_t half = (BS + 1) / 2;
   for (int64_t i = 0; i < nblk; ++i) {
     const int64_t n = std::min(BS, L - i * BS);
@@ -378,8 +354,10 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
     const char* vpf2 = i + 2 < nblk ? src.span(1, table[i + 2]) : nullptr;
     for (int64_t kh = 0; kh < KVH; ++kh) {
       const auto rows = src.template pass2_rows<NV>(table[i], n, kh, scratch, ptrs);
-      // Heads in groups of up to 24 / (2 * NV) (three for head_dim 64), each group in one pass over the rows.
-      constexpr int64_t HG = 24 / (2 * NV) > 0 ? 24 / (2 * NV) : 1;
+      // Heads in groups of up to kAccumulators / (2 * NV) (three for head_dim 64 on AVX-512), each group in one
+      // pass over the rows, CV vectors of columns at a time (all of them on AVX-512).
+      constexpr int64_t HG = kAccumulators / (2 * NV) > 0 ? kAccumulators / (2 * NV) : 1;
+      constexpr int CV = 2 * NV * HG <= kAccumulators ? NV : kAccumulators / 2 >= 4 ? 4 : 2;
       constexpr bool per_row = Rows::kPrefetchPerRow;
       for (int64_t g0 = 0; g0 < G; g0 += HG) {
         const int64_t h0 = kh * G + g0;
@@ -387,22 +365,22 @@ static void decode_seq_512(const float* q, float* out, const Rows& src, const in
         float* o = out + h0 * D;
         const int64_t* c0 = cut2 + h0 * half;
         switch (std::min(HG, G - g0)) {
-          case 3: pv_heads<NV, 3, per_row>(rows, p, Ls, n, o, vpf, c0, vpf2); break;
-          case 2: pv_heads<NV, 2, per_row>(rows, p, Ls, n, o, vpf, c0, vpf2); break;
-          default: pv_heads<NV, 1, per_row>(rows, p, Ls, n, o, vpf, c0, vpf2); break;
+          case 3: pv_heads<NV, 3, CV, per_row>(rows, p, Ls, n, o, vpf, c0, vpf2); break;
+          case 2: pv_heads<NV, 2, CV, per_row>(rows, p, Ls, n, o, vpf, c0, vpf2); break;
+          default: pv_heads<NV, 1, CV, per_row>(rows, p, Ls, n, o, vpf, c0, vpf2); break;
         }
       }
     }
   }
 }
 
-// Every sequence of the batch by decode_seq_512, one task per sequence; q and out [B, H, D] fp32.
+// Every sequence of the batch by decode_seq, one task per sequence; q and out [B, H, D] fp32.
 // Threads take sequences longest first from a shared counter. A batch's contexts differ by up to
 // tens of times, so a static split of the batch into equal counts can leave one thread with most
 // of the KV to read (bench/kernels/decode_attention.py times this against the equal-halves split). A
 // sequence's result does not depend on which thread computes it.
 template <typename Rows>
-static void decode_batch_avx512(float* op, const float* qp, const Rows& src, const int64_t* bt, const int64_t* sl,
+static void decode_batch_simd(float* op, const float* qp, const Rows& src, const int64_t* bt, const int64_t* sl,
                                 int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t BS, int64_t MB, float sc) {
   std::vector<int64_t> order(B);
   std::iota(order.begin(), order.end(), int64_t{0});
@@ -425,38 +403,35 @@ static void decode_batch_avx512(float* op, const float* qp, const Rows& src, con
       const int64_t Ls = ((L + BS - 1) / BS) * BS + 16;
       scores.resize(H * Ls);
       if (D == 64)
-        decode_seq_512<4>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
+        decode_seq<64 / kLanes>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
                           scratch.data(), ptrs.data(), plan);
       else
-        decode_seq_512<8>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
+        decode_seq<128 / kLanes>(qp + b * H * D, op + b * H * D, src, bt + b * MB, L, BS, H, KVH, sc, scores.data(), Ls,
                           scratch.data(), ptrs.data(), plan);
     }
   });
 }
 
-static void decode_attn_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+static void decode_attn_simd(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
                                torch::Tensor seq_lens, double scale) {
   const float* kbase = kv.data_ptr<float>();
   const Fp32Rows src{{kbase, kbase + kv.stride(0)}, kv.stride(1), kv.stride(2), kv.stride(3),
                      kv.size(2) * kv.stride(2) * static_cast<int64_t>(sizeof(float))};
-  decode_batch_avx512(out.data_ptr<float>(), q.data_ptr<float>(), src, block_tables.data_ptr<int64_t>(),
+  decode_batch_simd(out.data_ptr<float>(), q.data_ptr<float>(), src, block_tables.data_ptr<int64_t>(),
                       seq_lens.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2), kv.size(3), kv.size(2),
                       block_tables.size(1), static_cast<float>(scale));
 }
-#endif
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale) {
   auto qf = q.to(torch::kFloat).contiguous();
   auto out = torch::empty_like(qf);
-#ifdef HAVE_AVX512_DECODE
   const int64_t D = qf.size(2), KVH = kv.size(3);
-  if (kv.scalar_type() == torch::kFloat && (D == 64 || D == 128) && kv.stride(3) == D && kv.stride(2) == KVH * D &&
+  if (vec_loads::kSimd && kv.scalar_type() == torch::kFloat && (D == 64 || D == 128) && kv.stride(3) == D && kv.stride(2) == KVH * D &&
       kv.stride(1) == kv.size(2) * KVH * D && qf.size(1) % KVH == 0) {
-    decode_attn_avx512(out, qf, kv, block_tables.contiguous(), seq_lens.contiguous(), scale);
+    decode_attn_simd(out, qf, kv, block_tables.contiguous(), seq_lens.contiguous(), scale);
     return out.to(q.scalar_type());
   }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "paged_decode_attention", [&] {
     decode_attn_impl<scalar_t>(out, qf, kv, block_tables.contiguous(), seq_lens.contiguous(), scale);
   });

@@ -6,8 +6,8 @@
 // (value * scale, as the torch reference computes it) and runs the fp32 helpers on that.
 // Dynamic precision: rows at or after `ring_lo[b]` are read at full precision from the
 // sequence's ring of recent rows (ring[slot, row % W]) instead of the int8 pool.
-// On AVX-512 CPUs, without a ring, head_dim 64 or 128: the fp32 kernel's sequence-per-task path
-// (decode_seq_512) reads the int8 rows, a quarter of the fp32 bytes. It applies the scales to what
+// On AVX2 and AVX-512 CPUs, without a ring, head_dim 64 or 128: the fp32 kernel's sequence-per-task path
+// (decode_seq) reads the int8 rows, a quarter of the fp32 bytes. It applies the scales to what
 // the codes produce rather than to every value: s * (q . code) for a score, (p * s) * code in the
 // weighted sum of V. That is the same value as the reference's up to rounding (the tests compare
 // within 1e-5) and saves a multiply per value, where this path's time goes: it is bound by its
@@ -18,26 +18,18 @@
 
 static inline void dequant_row(const int8_t* q, float s, float* out, int64_t D) {
   int64_t d = 0;
-#ifdef HAVE_AVX2_HEADS
-  const __m256 sv = _mm256_set1_ps(s);
-  for (; d + 8 <= D; d += 8)
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + d)))), sv));
-#endif
+  const Vec sv(s);
+  for (; d + kLanes <= D; d += kLanes) (vec_loads::bytes_to_float<true>(q + d) * sv).store(out + d);
   for (; d < D; ++d) out[d] = static_cast<float>(q[d]) * s;
 }
 
-#ifdef HAVE_AVX512_DECODE
 // V rows of one KV head of one block as int8 codes, for pv_heads: a row is converted to fp32 as it is read
 // (exact, |code| <= 127) and its scale goes into the weight, p * scale, instead of into every value.
 struct Int8PassRows {
   const int8_t* codes;  // row 0 of the block, this KV head
   const at::Half* scale;
   int64_t step, scale_step;  // codes / scales between consecutive rows
-  __m512 vec(int64_t j, int c) const {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * step + 16 * c))));
-  }
+  Vec vec(int64_t j, int c) const { return vec_loads::bytes_to_float<true>(codes + j * step + kLanes * c); }
   float weight(const float* p, int64_t j) const { return p[j] * static_cast<float>(scale[j * scale_step]); }
 };
 
@@ -58,7 +50,7 @@ struct Int8Rows {
   template <int NV>
   void rows(int64_t blk, int64_t j0, int64_t m, int64_t kh, float* scratch, const float** out,
             float* row_scale) const {
-    constexpr int64_t Dc = 16 * NV;
+    constexpr int64_t Dc = kLanes * NV;
     const int64_t r0 = (blk * BS + j0) * KVH + kh;
     const int8_t* codes = base[0] + r0 * Dc;
     const at::Half* sc = scales[0] + r0;
@@ -68,18 +60,16 @@ struct Int8Rows {
       float* dst = scratch + j * Dc;
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c)
-        _mm512_storeu_ps(dst + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)))));
+        vec_loads::bytes_to_float<true>(codes + kLanes * c).store(dst + kLanes * c);
       out[j] = dst;
     }
   }
   template <int NV>
   Int8PassRows pass2_rows(int64_t blk, int64_t, int64_t kh, float*, const float**) const {
     const int64_t r0 = blk * BS * KVH + kh;
-    return Int8PassRows{base[1] + r0 * 16 * NV, scales[1] + r0, KVH * 16 * NV, KVH};
+    return Int8PassRows{base[1] + r0 * kLanes * NV, scales[1] + r0, KVH * kLanes * NV, KVH};
   }
 };
-#endif
 
 torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor kv, torch::Tensor kv_scales,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
@@ -125,13 +115,11 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor kv, tor
     lo = lo_t.data_ptr<int64_t>();
   }
   const float sc = static_cast<float>(scale);
-#ifdef HAVE_AVX512_DECODE
-  if (!windowed && (D == 64 || D == 128) && H % KVH == 0) {
+  if (vec_loads::kSimd && !windowed && (D == 64 || D == 128) && H % KVH == 0) {
     const Int8Rows src{{kbase, vbase}, {ksc, vsc}, BS, KVH, D, BS * KVH * D};
-    decode_batch_avx512(op, qp, src, bt, sl, B, H, D, KVH, BS, MB, sc);
+    decode_batch_simd(op, qp, src, bt, sl, B, H, D, KVH, BS, MB, sc);
     return out.to(q.scalar_type());
   }
-#endif
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, conv;
     std::vector<const float*> krows, vrows;

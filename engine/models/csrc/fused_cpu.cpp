@@ -132,6 +132,14 @@ void rope_rows_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tens
   });
 }
 
+// Floats per vector of ATen's own kernels in this process (cpu_build.py sets it from
+// torch.backends.cpu.get_cpu_capability() as it loads the module): 16 where ATen runs AVX-512, else 8.
+static int64_t torch_vector_lanes = 8;
+void set_torch_vector_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "set_torch_vector_lanes: 8 or 16, got ", lanes);
+  torch_vector_lanes = lanes;
+}
+
 // SwiGLU's activation in place: for gate_up [rows, 2 * intermediate] (rows may be strided), the
 // first `intermediate` columns become silu(gate) * up. Each element is computed as torch computes
 // F.silu(gate, inplace=True).mul_(up) on the gate half's rows: x / (1 + exp(-x)) with ATen's
@@ -144,7 +152,10 @@ void silu_mul_rows_(torch::Tensor gate_up, int64_t intermediate) {
   TORCH_CHECK(intermediate > 0 && gate_up.size(1) == 2 * intermediate, "gate_up must be [rows, 2 * ",
               intermediate, "], got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0), ld = gate_up.stride(0), I = intermediate;
-  const int64_t vec_end = I / (2 * kFV) * (2 * kFV);
+  // torch's loop vectorizes in steps of two of its own vectors, whose width is the instruction set ATen dispatches
+  // to in this process (the host's best, whatever this module is built for): the same split keeps the bits.
+  const int64_t step = 2 * std::max<int64_t>(kFV, torch_vector_lanes);
+  const int64_t vec_end = I / step * step;
   float* p = gate_up.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / I);  // about 32k elements per task, as ATen's elementwise ops
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
@@ -167,7 +178,7 @@ void silu_mul_rows_(torch::Tensor gate_up, int64_t intermediate) {
 
 // Greedy choice per row of fp32 logits [rows, vocab]: the first index of the row's maximum, as
 // torch's max(dim).indices gives it, NaN included (a NaN is the maximum; the first NaN wins). One
-// pass per row in 16-float vectors, each lane keeping its own first maximum; rows run in parallel.
+// pass per row in vectors (AVX2 or AVX-512), each lane keeping its own first maximum; rows run in parallel.
 // Why: for one row of a 49k vocabulary, torch's max runs one scalar thread, ~0.1 ms a decode step.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   check_rows(logits, "argmax_rows: logits");
@@ -182,34 +193,32 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
       int64_t v = 0, best_i = 0;
       float best = x[0];
       bool nan = false;
-#if defined(__AVX512F__)
-      if (V >= 16 && V <= INT32_MAX) {  // lane indices are int32
-        __m512 mx = _mm512_loadu_ps(x);
-        __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i cur = mi;
-        const __m512i step = _mm512_set1_epi32(16);
-        __mmask16 unordered = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
-        for (v = 16; v + 16 <= V; v += 16) {
-          cur = _mm512_add_epi32(cur, step);
-          const __m512 xv = _mm512_loadu_ps(x + v);
-          unordered |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-          const __mmask16 gt = _mm512_cmp_ps_mask(xv, mx, _CMP_GT_OQ);  // strictly greater: a lane keeps its first
-          mx = _mm512_mask_mov_ps(mx, gt, xv);
-          mi = _mm512_mask_mov_epi32(mi, gt, cur);
+      if (vec_loads::kSimd && V >= kFV && V <= INT32_MAX) {  // lane indices are int32
+        using IVec = at::vec::Vectorized<int32_t>;
+        FVec mx = FVec::loadu(x);
+        IVec mi = IVec::arange(0, 1), cur = mi;
+        const IVec step(static_cast<int32_t>(kFV));
+        FVec unordered = mx.isnan();
+        for (v = kFV; v + kFV <= V; v += kFV) {
+          cur = cur + step;
+          const FVec xv = FVec::loadu(x + v);
+          unordered = unordered | xv.isnan();
+          const FVec gt = xv > mx;  // strictly greater: a lane keeps its first
+          mx = FVec::blendv(mx, xv, gt);
+          mi = IVec::blendv(mi, cur, at::vec::cast<int32_t>(gt));
         }
-        nan = unordered != 0;
+        nan = unordered.zero_mask() != (1 << kFV) - 1;
         if (!nan) {
-          alignas(64) float vals[16];
-          alignas(64) int32_t ids[16];
-          _mm512_store_ps(vals, mx);
-          _mm512_store_si512(ids, mi);
+          alignas(64) float vals[kFV];
+          alignas(64) int32_t ids[kFV];
+          mx.store(vals);
+          mi.store(ids);
           best = vals[0];
           best_i = ids[0];
-          for (int l = 1; l < 16; ++l)
+          for (int l = 1; l < kFV; ++l)
             if (vals[l] > best || (vals[l] == best && ids[l] < best_i)) best = vals[l], best_i = ids[l];
         }
       }
-#endif
       if (v == 0) v = 1;  // x[0] is the maximum so far
       for (; v < V && !nan; ++v) {
         if (std::isnan(x[v])) nan = true;

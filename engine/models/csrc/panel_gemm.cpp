@@ -161,21 +161,7 @@ static inline FVec mul_rn(const FVec& a, const FVec& b) { return a * b; }
 static inline FVec affine4_value(const FVec& code, const FVec& scale, const FVec& offset) {
   return at::vec::fmadd(code, scale, offset);
 }
-// The two 4-bit codes of kLanes bytes at p as floats: the low nibbles in lo, the high ones in hi (the exact values
-// 0.0 .. 15.0 either way). AVX-512 permutes from a table 0.0 .. 15.0, which reads only an index's low 4 bits (the
-// AND and the conversion in one op); elsewhere hi = floor(byte / 16) and lo = byte - 16 hi, exact in fp32.
-static inline void nibble_floats(const uint8_t* p, FVec& lo, FVec& hi) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
-  lo = _mm512_permutexvar_ps(v, table);
-  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-#else
-  const FVec byte = vec_loads::bytes_to_float<false>(p);
-  hi = (byte * FVec(0.0625f)).floor();
-  lo = byte - hi * FVec(16.f);
-#endif
-}
+using vec_loads::nibble_floats;
 
 // One K step of a compact panel's block as kPanelVecs vectors of 32 fp32 weights: affine4 from the step's 16 code
 // bytes (byte j: column j low, column j + 16 high), sym8 from its 32 int8 codes; s and o are the block's scales and

@@ -10,57 +10,47 @@
 // every row of x. torch's packed int8/int4 CPU ops are slower than fp32 on AVX2 machines (they are
 // tuned for AVX-512; docs/perf/engine-notes.md), hence this kernel.
 //
-// Every output element is computed by the same sequence of operations (two FMA chains over K in
-// 16-float steps, one 8-float step, the horizontal sum, then the scalar tail), whatever the number
-// of rows of x or the blocking, so results are batch-invariant.
+// Every output element is computed by the same sequence of operations (two FMA chains over K in steps of two
+// vectors, one step of one vector, the horizontal sum, then the scalar tail), whatever the number of rows of x or
+// the blocking, so results are batch-invariant (per instruction set: a vector is 8 or 16 floats).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define QL_AVX2 1
-#endif
-
 namespace {
 
+using QVec = vec_loads::FVec;
+using vec_loads::kLanes;
 constexpr int NR = 4;  // weight rows per block
 
 void int8_row_to_float(const int8_t* q, float* out, int64_t K) {
   int64_t k = 0;
-#ifdef QL_AVX2
-  for (; k + 8 <= K; k += 8)
-    _mm256_storeu_ps(out + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                  reinterpret_cast<const __m128i*>(q + k)))));
-#endif
+  if constexpr (vec_loads::kSimd)
+    for (; k + kLanes <= K; k += kLanes) vec_loads::bytes_to_float<true>(q + k).store(out + k);
   for (; k < K; ++k) out[k] = static_cast<float>(q[k]);
 }
 
+// NOTE: the module is built with -ffp-contract=off: q * scale + offset stays a multiply then an add.
 void int4_row_to_float(const uint8_t* p, const at::Half* scale, const at::Half* offset, int64_t G, int64_t K,
                        float* out) {
   for (int64_t g = 0; g < K / G; ++g) {
     const float s = static_cast<float>(scale[g]), o = static_cast<float>(offset[g]);
+    const QVec sv(s), ov(o);
     for (int64_t r = g * G; r < (g + 1) * G; r += 32) {
       const uint8_t* b = p + r / 2;
-#ifdef QL_AVX2
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-      const __m128i lo = _mm_and_si128(bytes, mask);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-      const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(o);
-      auto cvt = [&](__m128i v) {
-        return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), sv), ov);
-      };
-      _mm256_storeu_ps(out + r, cvt(lo));
-      _mm256_storeu_ps(out + r + 8, cvt(_mm_srli_si128(lo, 8)));
-      _mm256_storeu_ps(out + r + 16, cvt(hi));
-      _mm256_storeu_ps(out + r + 24, cvt(_mm_srli_si128(hi, 8)));
-#else
-      for (int j = 0; j < 16; ++j) {
-        out[r + j] = static_cast<float>(b[j] & 0x0F) * s + o;
-        out[r + 16 + j] = static_cast<float>(b[j] >> 4) * s + o;
+      if constexpr (vec_loads::kSimd) {
+        for (int64_t j = 0; j < 16; j += kLanes) {  // bytes j..j+kLanes-1: inputs r+j.. (low), r+16+j.. (high)
+          QVec lo, hi;
+          vec_loads::nibble_floats(b + j, lo, hi);
+          (lo * sv + ov).store(out + r + j);
+          (hi * sv + ov).store(out + r + 16 + j);
+        }
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          out[r + j] = static_cast<float>(b[j] & 0x0F) * s + o;
+          out[r + 16 + j] = static_cast<float>(b[j] >> 4) * s + o;
+        }
       }
-#endif
     }
   }
 }
@@ -68,38 +58,26 @@ void int4_row_to_float(const uint8_t* p, const at::Half* scale, const at::Half* 
 // out[j] = x . w_j for `rows` weight rows (stride K) in the scratch.
 template <int R>
 void dot_rows(const float* x, const float* w, int64_t K, float* out) {
-#ifdef QL_AVX2
-  __m256 a0[R], a1[R];
-  for (int j = 0; j < R; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  QVec a0[R], a1[R];
+  for (int j = 0; j < R; ++j) a0[j] = a1[j] = QVec(0.f);
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+  for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
+    const QVec x0 = QVec::loadu(x + k), x1 = QVec::loadu(x + k + kLanes);
     for (int j = 0; j < R; ++j) {
-      a0[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + j * K + k), a0[j]);
-      a1[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + j * K + k + 8), a1[j]);
+      a0[j] = at::vec::fmadd(x0, QVec::loadu(w + j * K + k), a0[j]);
+      a1[j] = at::vec::fmadd(x1, QVec::loadu(w + j * K + k + kLanes), a1[j]);
     }
   }
-  if (k + 8 <= K) {
-    const __m256 x0 = _mm256_loadu_ps(x + k);
-    for (int j = 0; j < R; ++j) a0[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + j * K + k), a0[j]);
-    k += 8;
+  if (k + kLanes <= K) {
+    const QVec x0 = QVec::loadu(x + k);
+    for (int j = 0; j < R; ++j) a0[j] = at::vec::fmadd(x0, QVec::loadu(w + j * K + k), a0[j]);
+    k += kLanes;
   }
   for (int j = 0; j < R; ++j) {
-    const __m256 s8 = _mm256_add_ps(a0[j], a1[j]);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    s4 = _mm_hadd_ps(s4, s4);
-    s4 = _mm_hadd_ps(s4, s4);
-    float s = _mm_cvtss_f32(s4);
+    float s = vec_loads::reduce_add(a0[j] + a1[j]);
     for (int64_t kk = k; kk < K; ++kk) s += x[kk] * w[j * K + kk];
     out[j] = s;
   }
-#else
-  for (int j = 0; j < R; ++j) {
-    float s = 0.f;
-    for (int64_t kk = 0; kk < K; ++kk) s += x[kk] * w[j * K + kk];
-    out[j] = s;
-  }
-#endif
 }
 
 // Shared driver: `fill(n, dst)` writes weight row n as floats; `row_scale(n)` multiplies the dot.

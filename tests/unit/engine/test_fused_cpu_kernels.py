@@ -17,7 +17,8 @@ from engine.models.llama import MLP, RMSNorm
 from engine.models.rope import RotaryEmbedding
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_kernels() is None, reason="the CPU extension could not be built here")]
+# Every test runs on the AVX2 and the AVX-512 kernel module (tests/conftest.py's kernel_isa).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kernel_isa")]
 G = torch.Generator().manual_seed(0)
 
 

@@ -18,11 +18,12 @@ from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt
 from engine.attention.kv_int8 import Int8KVCache
 from engine.attention.metadata import AttentionMetadata, MaskSpec, PrefillSpan
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kernels.cpu_build import kernels_available, load_kernels
+from engine.kernels.cpu_build import load_kernels
 from tests.unit.engine.test_paged_decode_kernel import int8_cache
 
 # Slow tier (builds and runs the C++ kernels): `ops/dev.sh test --fast` leaves it out.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels_available(), reason="the CPU extension could not be built here")]
+# Every test runs on the AVX2 and the AVX-512 kernel module (tests/conftest.py's kernel_isa).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kernel_isa")]
 
 
 def cache(g, rows, kv_heads, head_dim, block_size, spare=4):

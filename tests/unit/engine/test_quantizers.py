@@ -132,6 +132,7 @@ def _int4_linear(n: int, k: int, bias: bool) -> Int4Linear:
     return m
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("make", [_int8_linear, _int4_linear], ids=["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 7, qmodules.KERNEL_MAX_ROWS, 200], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("bias", [False, True])
@@ -146,10 +147,9 @@ def test_quantized_linear_equals_dequantize_then_matmul(make, rows, bias, monkey
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("make", [_int8_linear, _int4_linear], ids=["int8", "int4"])
 def test_cpu_kernels_run_for_decode_batches(make):
-    if qmodules._kernels() is None:
-        pytest.skip("the C++ kernels do not build here")
     m = make(64, 128, True)
     x = torch.randn(3, 128)
     with torch.inference_mode():
