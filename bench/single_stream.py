@@ -13,7 +13,13 @@ after each round a read probe (roofline.ReadProbe, the better of 4 KiB and huge 
 own floor: the weight bytes a step reads over the read rate. This VM's read rate moves by up to 2x within
 seconds, so a round's share of its floor is the figure to trust, not a comparison across rounds.
 
-Writes bench/results/single_stream.json and its section of docs/perf/cpu-engine.md.
+Then, in the same run, llama.cpp as a peer (bench/llamacpp_peer.py): the engine with the GGUF model's default
+weights (compact panels) against llama-cpp-python on the same GGUF file and thread count, single-stream decode
+(--tokens after the same 128-token prompt) and prefill of a 400-token prompt, rounds alternating within each. The
+peer runs in its own environment, .venv-llamacpp (bench/llamacpp_env.sh creates it); without it the peer row says
+so and how to create it.
+
+Writes bench/results/single_stream.json and its sections of docs/perf/cpu-engine.md.
 """
 
 from __future__ import annotations
@@ -22,16 +28,18 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench import roofline
+from bench import llamacpp_peer, roofline
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, decode_weight_bytes, progress_bar
 from engine import LLM, SamplingParams
 from engine.kernels.cpu_build import cpu_kernels
+from engine.model_registry import gguf_file
 
 ARMS = {"4 KiB pages (huge_pages false)": False, "weights in huge pages (huge_pages auto, the default)": "auto"}
 
@@ -145,6 +153,44 @@ def main() -> None:
         "right after it. Medians over rounds, each column on its own.",
         "Median over rounds", headers, rows,
         "Each round (read rate, step, share of its own floor):\n\n" + by_round, docs=PERF / "cpu-engine.md")
+    llms.clear()  # the peer section builds its own engine
+    peer_section(args, data, first.tokenizer.encode(TEXT.read_text(), add_special_tokens=False))
+
+
+def peer_section(args, data: dict, text_ids: list[int]) -> None:
+    """The engine (default weights of the GGUF model) and llama.cpp on the same file and threads: one table."""
+    prefill_prompt, decode_prompt = text_ids[2000:2400], text_ids[1000:1128]
+    llm = LLM(model="smollm2", dtype="float32", num_threads=args.threads, max_num_seqs=4,
+              kv_cache_memory_bytes=64 << 20)
+    engine = llamacpp_peer.engine_rates(llm, prefill_prompt, decode_prompt, args.tokens, args.rounds)
+    peer: dict = {"gguf": str(gguf_file("smollm2")), "engine": engine}
+    try:
+        peer["llamacpp"] = llamacpp_peer.llamacpp_rates(gguf_file("smollm2"), args.threads, prefill_prompt,
+                                                        decode_prompt, args.tokens, args.rounds)
+    except llamacpp_peer.PeerMissing as missing:
+        peer["llamacpp"] = {"missing": str(missing)}
+    data["peer"] = peer
+    write_json("single_stream.json", data)
+    rows = [("engine (default weights: compact panels)", f"{engine['decode_tok_s']:.1f}",
+             f"{engine['prefill_tok_s']:.0f}", "1.00x", "1.00x")]
+    lc = peer["llamacpp"]
+    if "missing" in lc:
+        print(lc["missing"])
+        rows.append(("llama.cpp: NOT RUN", "-", "-", "-", f"missing .venv-llamacpp: run {llamacpp_peer.ENV_SCRIPT}"))
+    else:
+        same = lc["tokens"][:len(engine["tokens"])] == engine["tokens"][:len(lc["tokens"])]
+        rows.append((f"llama.cpp {lc['version']} (llama-cpp-python, built from source)", f"{lc['decode_tok_s']:.1f}",
+                     f"{lc['prefill_tok_s']:.0f}", f"{engine['decode_tok_s'] / lc['decode_tok_s']:.2f}x",
+                     f"{engine['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x"))
+        peer["same_greedy_tokens"] = same
+    publish_table(
+        "single_stream_llamacpp", "Single stream against llama.cpp (SmolLM2-135M Q4_1 GGUF, CPU)", data,
+        f"the same GGUF file ({Path(peer['gguf']).name}) and {args.threads} threads; decode: {args.tokens} greedy "
+        "tokens after a 128-token prompt, from the second token on; prefill: a 400-token prompt alone. The engine "
+        f"with its defaults for the file (compact panels), llama.cpp in its own environment; {args.rounds} rounds "
+        "each, medians. The engine-over-peer columns are the engine's rate over each row's.",
+        "Medians over rounds", ["runtime", "decode tok/s", "prefill tok/s", "engine / row, decode",
+                                "engine / row, prefill"], rows, docs=PERF / "cpu-engine.md")
 
 
 if __name__ == "__main__":

@@ -660,7 +660,7 @@ def write_docs(r: dict, tables) -> None:
         f"{r['settings']['output_lens'][0]}–{r['settings']['output_lens'][1]} greedy output tokens each, EOS ignored, "
         "all submitted at once; every system runs in one process with the same threads, after a warm-up. "
         "The engine's figures, ratios and roofline shares are for its `cpu_prepack_weights` option (a second, "
-        "packed copy of the linear weights, read by batches of up to 256 rows: by the panel kernel on AVX-512 CPUs, "
+        "packed copy of the linear weights, read by batches of up to 256 rows: by the panel kernel on AVX2 and AVX-512 CPUs, "
         "else by oneDNN); the rows after it are the same workload without the copy (`cpu_prepack_weights: false`, "
         "the engine's defaults until 2026-12-05), "
         "with the copy over an int8 KV cache (`cache_bits: 8`, rows quantized per token and KV head: not fp32, so "

@@ -85,6 +85,13 @@ def prepare_model(alias: str, force: bool = False) -> Path:
     return _prepare(_packaged_gguf_path(entry), cache_dir() / "models" / entry.folder, force=force)
 
 
+def gguf_file(alias: str) -> Path:
+    """The GGUF file an alias is imported from (what a peer runtime such as llama.cpp reads for the same weights)."""
+    if alias not in ALIASES:
+        raise ModelNotFoundError(f"unknown model alias {alias!r}: expected one of {', '.join(sorted(ALIASES))}")
+    return _packaged_gguf_path(ALIASES[alias])
+
+
 def _packaged_gguf_path(entry: PackagedGGUF) -> Path:
     # find_spec locates a top-level package without running its __init__, which imports
     # packages (llm, llama_cpp) that this project does not install.

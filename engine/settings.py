@@ -93,9 +93,9 @@ class MemorySettings(Settings):
     # faster prefill steps (docs/perf/config-notes.md).
     activation_chunk_rows: NonNegativeInt = 2048
     # fp32 on the CPU: keep a packed copy of each linear weight for batches of up to 256 rows (the panel
-    # kernel's layout on AVX-512 CPUs, else oneDNN's; engine/models/linear.py): faster decode. true: every
+    # kernel's layout on AVX2 and AVX-512 CPUs, else oneDNN's; engine/models/linear.py): faster decode. true: every
     # such weight, a second copy where it is not compact (below); "auto": only the weights whose copy is
-    # compact (nothing for a model with arbitrary fp32 weights, or off AVX-512 CPUs); false: none.
+    # compact (nothing for a model with arbitrary fp32 weights, or on CPUs without AVX2); false: none.
     cpu_prepack_weights: bool | Literal["auto"] = "auto"
     # With cpu_prepack_weights: a weight whose fp32 values are exactly integer codes times fp16 scales
     # (a GGUF Q4_0/Q4_1/Q8_0 import) is packed as those codes, and the kernel rebuilds the same values

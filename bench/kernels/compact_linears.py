@@ -78,7 +78,7 @@ def main() -> None:
     if args.rounds < 1 or any(not 1 <= r <= 256 for r in args.rows):
         ap.error("--rounds must be at least 1 and --rows between 1 and 256 (the panel kernel's range)")
     if cpu_kernels() is None or not cpu_kernels().panel_gemm_available():
-        raise SystemExit("the panel kernel needs AVX-512 and the CPU extension, which this machine lacks")
+        raise SystemExit("the panel kernel needs AVX2 or AVX-512 and the CPU extension, which this machine lacks")
     torch.set_num_threads(args.threads)
     llm = LLM(model=str(resolve_model("smollm2")), dtype="float32", num_threads=args.threads,
               kv_cache_memory_bytes=1 << 26)

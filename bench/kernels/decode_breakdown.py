@@ -58,7 +58,7 @@ def output_tokens(prompt_tokens: int, token_budget: int) -> int:
 def capture_decode_call(llm: LLM, prompts: list[list[int]], tag: str) -> tuple[tuple, torch.Tensor]:
     """The arguments of the first decode_layers call in which every request of `prompts` decodes, and what that
     call returned; the requests are then aborted. Raises where the engine never calls decode_layers (it
-    runs on AVX-512 panels). The weights, KV caches and model constants are the engine's own; the step's own
+    runs on the panels, AVX2 or AVX-512). The weights, KV caches and model constants are the engine's own; the step's own
     tensors (its rows, slots, block tables, lengths, positions) are copies, as decode_layers updates hidden-state
     rows in place and the engine may reuse its metadata buffers."""
     ops, engine = cpu_kernels(), llm.engine
@@ -90,7 +90,7 @@ def capture_decode_call(llm: LLM, prompts: list[list[int]], tag: str) -> tuple[t
     while engine.has_unfinished_requests():  # hands out the aborts; nothing is scheduled
         engine.step()
     if not kept:
-        raise SystemExit("the engine ran no full-batch decode step through decode_layers (it needs AVX-512 panels)")
+        raise SystemExit("the engine ran no full-batch decode step through decode_layers (it needs the panels: AVX2 or AVX-512)")
     return kept[0]
 
 
@@ -171,7 +171,7 @@ def main() -> None:
     if args.rounds < 1 or args.context < 1 or any(not 1 <= b <= 64 for b in args.batches):
         ap.error("--rounds and --context must be at least 1, --batches between 1 and 64")
     if cpu_kernels() is None or not cpu_kernels().panel_gemm_available():
-        raise SystemExit("the one-call decoder needs AVX-512 and the CPU extension, which this machine lacks")
+        raise SystemExit("the one-call decoder needs AVX2 or AVX-512 and the CPU extension, which this machine lacks")
     torch.set_num_threads(args.threads)
     path = resolve_model("smollm2")
     mc = ModelConfig.from_folder(path)

@@ -6,7 +6,7 @@
 For each row count and weight shape (random weights: only the shapes matter), the
 median time of: the engine's skinny kernel (1-8 rows), MKL (`torch.mm`), oneDNN on
 the plain weight, oneDNN on its packed copy (what `cpu_prepack_weights` keeps on CPUs
-without AVX-512), and the panel kernel on its packed copy (what it keeps on AVX-512
+without AVX2), and the panel kernel on its packed copy (what it keeps on AVX2 and AVX-512
 CPUs, up to 256 rows; engine/models/linear.py). Each weight is called repeatedly, so
 it sits in cache: bench.kernels.panel_gemm measures the paths with a whole model's weights
 streamed from memory, as in a decode step. The last column is the roofline's own reference, a

@@ -11,7 +11,7 @@ memory rather than sit in cache) and the 49152-wide LM head. Three arms, each th
 `engine.models.linear.linear`, alternating round after round in one process: the engine's
 plain weights (no packed copy: the skinny kernel up to 8 rows, oneDNN at padded row buckets above),
 oneDNN on its packed copy (what `cpu_prepack_weights` kept before the panel kernel), and the
-panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX-512 CPUs). With
+panel kernel on its packed copy (what `cpu_prepack_weights` keeps on AVX2 and AVX-512 CPUs). With
 `--base REV`, two more arms, both calling the kernel directly (without `linear`'s Python
 dispatch): this tree's panel kernel, and the one built from engine/models/csrc/panel_gemm.cpp at
 git revision REV (reading the same packed copy, where the two revisions pack alike), whose outputs must
@@ -99,7 +99,7 @@ def main() -> None:
     from engine.models import linear as lin
 
     if not lin._panel_kernel():
-        sys.exit("the panel kernel is not available here (it needs AVX-512 and the CPU extension); nothing to compare")
+        sys.exit("the panel kernel is not available here (it needs AVX2 or AVX-512 and the CPU extension); nothing to compare")
     arms = {"plain": "plain weights, no copy", "onednn": "oneDNN, packed", "panel": "panel kernel, packed"}
     base = None
     if args.base:

@@ -17,7 +17,7 @@ Only fp32 on the CPU takes the special paths; everything else is F.linear.
 
 With `prepack` (engine option `cpu_prepack_weights`), each weight also gets a
 packed copy, which batches of 1-256 rows then read instead of the plain one.
-On AVX-512 CPUs that copy is in panels of 32 output columns for the panel
+On AVX2 and AVX-512 CPUs that copy is in panels of 32 output columns for the panel
 kernel of the CPU extension (engine/models/csrc/panel_gemm.cpp), which runs
 a step's linears faster than the paths above at 1-64 rows and as fast at
 128-256 (bench/kernels/panel_gemm.py), needs no padding and keeps no per-shape
@@ -109,7 +109,7 @@ def is_panel_packed(packed: torch.Tensor | None) -> bool:
 
 
 def prepack(weight: torch.Tensor, compact: bool = True, only_compact: bool = False) -> torch.Tensor | None:
-    """`weight` packed for `linear(..., packed=)`: in panels for the panel kernel on AVX-512 CPUs,
+    """`weight` packed for `linear(..., packed=)`: in panels for the panel kernel on AVX2 and AVX-512 CPUs,
     else in oneDNN's blocked layout; None where neither path runs.
 
     With `compact`, a weight whose fp32 values are exactly integer codes times fp16 scales (a GGUF

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.models import linear as lin
+from engine.kernels import cpu_build
 from tests.conftest import write_tiny_model
 
 
@@ -35,7 +35,7 @@ def test_row_turns_medians_into_rates_and_floors():
     assert row == (4, 1000, "11.0", "6.0 (167)", "4.0 (250)", "10.0 / 10.0", "2.0 (0.5)", "3.0", "1.0", "100 / 10.0")
 
 
-@pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel (AVX-512)")
+@pytest.mark.skipif(cpu_build.host_isa() == "baseline", reason="this host lacks AVX2: the one-call decoder runs on the panel kernel")
 def test_the_captured_call_replays_the_engines_decode_step_bitwise(tmp_path):
     from bench.kernels import decode_breakdown
 
@@ -53,7 +53,7 @@ def test_the_captured_call_replays_the_engines_decode_step_bitwise(tmp_path):
         assert calls["lm_head"]().shape == (6, llm.engine.model.config.vocab_size)
 
 
-@pytest.mark.skipif(not lin._panel_kernel(), reason="the one-call decoder runs on the panel kernel (AVX-512)")
+@pytest.mark.skipif(cpu_build.host_isa() == "baseline", reason="this host lacks AVX2: the one-call decoder runs on the panel kernel")
 def test_capture_stops_clearly_where_no_decode_step_runs_in_one_call(tmp_path):
     from bench.kernels import decode_breakdown
 
