@@ -21,16 +21,16 @@ constexpr bool kSimd = false;
 // kLanes int8 (kSigned) or uint8 values from p as floats (exact).
 template <bool kSigned>
 static inline FVec bytes_to_float(const void* p) {
-  if constexpr (kSimd) {
-    using Byte = std::conditional_t<kSigned, int8_t, uint8_t>;
-    return at::vec::convert_int8_to_float<Byte>(at::vec::Vectorized<Byte>::loadu_one_fourth(p));
-  } else {
-    alignas(64) float tmp[kLanes];
-    for (int i = 0; i < kLanes; ++i)
-      tmp[i] = kSigned ? static_cast<float>(static_cast<const int8_t*>(p)[i])
-                       : static_cast<float>(static_cast<const uint8_t*>(p)[i]);
-    return FVec::loadu(tmp);
-  }
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  using Byte = std::conditional_t<kSigned, int8_t, uint8_t>;
+  return at::vec::convert_int8_to_float<Byte>(at::vec::Vectorized<Byte>::loadu_one_fourth(p));
+#else
+  alignas(64) float tmp[kLanes];
+  for (int i = 0; i < kLanes; ++i)
+    tmp[i] = kSigned ? static_cast<float>(static_cast<const int8_t*>(p)[i])
+                     : static_cast<float>(static_cast<const uint8_t*>(p)[i]);
+  return FVec::loadu(tmp);
+#endif
 }
 
 // kLanes fp16 values from p (any alignment) as floats (exact).

@@ -72,3 +72,20 @@ def test_fp32_panels_compute_the_same_bits_on_both(rows):
     packed = narrow.pack_panels(w)
     for bias in (None, b):
         assert torch.equal(bits(narrow.panel_linear(x, packed, 77, bias)), bits(wide.panel_linear(x, packed, 77, bias)))
+
+
+def test_the_scalar_baseline_module_packs_the_same_panels_and_computes_close():
+    """The same sources on at::vec's scalar fallback (a CPU without AVX2): no fast path is claimed there
+    (panel_gemm_available is false, the engine runs torch's ops), but the kernels build, pack the same compact
+    bytes and compute within fp32 rounding (no FMA: products round on their own)."""
+    base, narrow = cpu_build.load_kernels("baseline"), cpu_build.load_kernels("avx2")
+    assert base.vector_lanes() == 8 and not base.panel_gemm_available()
+    rng = np.random.default_rng(3)
+    w = gguf_roundtrip((rng.standard_normal((70, 256)) * 0.05).astype(np.float32), "Q4_1")
+    packed = cw.pack_compact(w, base.pack_compact_panels, base.compact_panels_match)
+    assert packed is not None and torch.equal(packed, cw.pack_compact(w, narrow.pack_compact_panels,
+                                                                      narrow.compact_panels_match))
+    assert torch.equal(bits(base.unpack_compact_panels(packed, 70)), bits(w))
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(base.panel_linear(x, packed, 70, None), narrow.panel_linear(x, packed, 70, None),
+                               rtol=1e-5, atol=1e-5)
