@@ -18,6 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 PRELUDE = "#include <torch/extension.h>\n#include <ATen/Parallel.h>\n#include <algorithm>\n#include <vector>\n"
 
 
+SHARED = "engine/kernels/csrc/vec_loads.cpp"
+
+
+def has_file(rev: str, path: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=REPO, capture_output=True).returncode == 0
+
+
 def source_at(rev: str, path: str) -> str:
     try:
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
@@ -32,7 +39,9 @@ def build_at_revision(rev: str, paths: list[str], functions: list[str]) -> Modul
 
     from engine.kernels.cpu_build import build_flags
 
-    source = PRELUDE + "\n".join(source_at(rev, p) for p in paths)
+    # From the at::vec rewrite on, every kernel file builds on the shared loads compiled first in the engine's unit.
+    shared = [SHARED] if SHARED not in paths and has_file(rev, SHARED) else []
+    source = PRELUDE + "\n".join(source_at(rev, p) for p in shared + paths)
     flags = build_flags()
     digest = hashlib.sha1((source + " ".join(flags)).encode()).hexdigest()[:12]
     return load_inline(name=f"infinilm_bench_base_{digest}", cpp_sources=[source], functions=functions,
