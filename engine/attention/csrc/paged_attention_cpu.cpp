@@ -42,16 +42,21 @@ using vec_loads::kLanes;
 template <int NV>
 static void qk_head(const float* q, const float* const* krows, int64_t L, float scale, float* scores) {
   Vec qv[NV];
+  VEC_UNROLL
   for (int c = 0; c < NV; ++c) qv[c] = Vec::loadu(q + kLanes * c);
   int64_t t = 0;
   for (; t + 4 <= L; t += 4) {
     Vec a[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+    VEC_UNROLL
     for (int c = 0; c < NV; ++c)
+      VEC_UNROLL
       for (int u = 0; u < 4; ++u) a[u] = at::vec::fmadd(qv[c], Vec::loadu(krows[t + u] + kLanes * c), a[u]);
+    VEC_UNROLL
     for (int u = 0; u < 4; ++u) scores[t + u] = vec_loads::reduce_add(a[u]) * scale;
   }
   for (; t < L; ++t) {
     Vec a(0.f);
+    VEC_UNROLL
     for (int c = 0; c < NV; ++c) a = at::vec::fmadd(qv[c], Vec::loadu(krows[t] + kLanes * c), a);
     scores[t] = vec_loads::reduce_add(a) * scale;
   }
@@ -61,11 +66,14 @@ static void qk_head(const float* q, const float* const* krows, int64_t L, float 
 template <int NV>
 static void pv_head(const float* p, const float* const* vrows, int64_t L, float* out) {
   Vec acc[NV];
+  VEC_UNROLL
   for (int c = 0; c < NV; ++c) acc[c] = Vec(0.f);
   for (int64_t t = 0; t < L; ++t) {
     const Vec pt(p[t]);
+    VEC_UNROLL
     for (int c = 0; c < NV; ++c) acc[c] = at::vec::fmadd(pt, Vec::loadu(vrows[t] + kLanes * c), acc[c]);
   }
+  VEC_UNROLL
   for (int c = 0; c < NV; ++c) acc[c].store(out + kLanes * c);
 }
 
@@ -216,8 +224,10 @@ template <int NV, int HG, int CV, bool PerRow, typename RowReader>
 static inline void pv_heads_cols(const RowReader& rows, const float* p, int64_t Ls, int64_t n, float* out, int c0,
                                  const char* vpf, const int64_t* cut, const char* vpf2) {
   constexpr int64_t D = kLanes * NV;
-  Vec acc[HG][CV], acc2[HG][CV];
+  vec_loads::Reg acc[HG][CV], acc2[HG][CV];
+  VEC_UNROLL
   for (int g = 0; g < HG; ++g)
+    VEC_UNROLL
     for (int c = 0; c < CV; ++c) {
       acc[g][c] = Vec::loadu(out + g * D + kLanes * (c0 + c));
       acc2[g][c] = Vec(0.f);
@@ -232,26 +242,33 @@ static inline void pv_heads_cols(const RowReader& rows, const float* p, int64_t 
         if (vpf2) _mm_prefetch(vpf2 + 64 * l, _MM_HINT_T1);
       }
     Vec p0[HG], p1[HG];
+    VEC_UNROLL
     for (int g = 0; g < HG; ++g) {
       p0[g] = Vec(rows.weight(p + g * Ls, j));
       p1[g] = Vec(rows.weight(p + g * Ls, j + 1));
     }
+    VEC_UNROLL
     for (int c = 0; c < CV; ++c) {
       const Vec v0 = rows.vec(j, c0 + c), v1 = rows.vec(j + 1, c0 + c);
+      VEC_UNROLL
       for (int g = 0; g < HG; ++g) {
-        acc[g][c] = at::vec::fmadd(p0[g], v0, acc[g][c]);
-        acc2[g][c] = at::vec::fmadd(p1[g], v1, acc2[g][c]);
+        acc[g][c] = at::vec::fmadd(p0[g], v0, Vec(acc[g][c]));
+        acc2[g][c] = at::vec::fmadd(p1[g], v1, Vec(acc2[g][c]));
       }
     }
   }
   if (j < n) {
+    VEC_UNROLL
     for (int g = 0; g < HG; ++g) {
       const Vec p0(rows.weight(p + g * Ls, j));
-      for (int c = 0; c < CV; ++c) acc[g][c] = at::vec::fmadd(p0, rows.vec(j, c0 + c), acc[g][c]);
+      VEC_UNROLL
+      for (int c = 0; c < CV; ++c) acc[g][c] = at::vec::fmadd(p0, rows.vec(j, c0 + c), Vec(acc[g][c]));
     }
   }
+  VEC_UNROLL
   for (int g = 0; g < HG; ++g)
-    for (int c = 0; c < CV; ++c) (acc[g][c] + acc2[g][c]).store(out + g * D + kLanes * (c0 + c));
+    VEC_UNROLL
+    for (int c = 0; c < CV; ++c) (Vec(acc[g][c]) + Vec(acc2[g][c])).store(out + g * D + kLanes * (c0 + c));
 }
 
 // Pass 2 of decode_seq for HG heads that share a KV head: out[g] += sum_j w(g, j) * row_j over the
@@ -310,9 +327,10 @@ static void decode_seq(const float* q, float* out, const Rows& src, const int64_
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kh * G + g;
           const int64_t* c0 = cut + kLanes * ((j0 / kLanes) * H + h);
-          Vec qv[NV];
+          vec_loads::Reg qv[NV];
+          VEC_UNROLL
           for (int c = 0; c < NV; ++c) qv[c] = Vec::loadu(q + h * D + kLanes * c);
-          Vec a[kLanes];
+          Vec a[kLanes];  // lane_sums reads them as an array
           if constexpr (!Rows::kPrefetchPerRow)
             for (int64_t l = c0[0]; l < c0[kLanes]; ++l) {
               if (kpf) _mm_prefetch(kpf + 64 * l, _MM_HINT_T0);
@@ -327,8 +345,9 @@ static void decode_seq(const float* q, float* out, const Rows& src, const int64_
                 _mm_prefetch(vpf + 64 * l, _MM_HINT_T1);
                 if (kpf2) _mm_prefetch(kpf2 + 64 * l, _MM_HINT_T1);
               }
-            Vec s = qv[0] * Vec::loadu(rows[jj]);
-            for (int c = 1; c < NV; ++c) s = at::vec::fmadd(qv[c], Vec::loadu(rows[jj] + kLanes * c), s);
+            Vec s = Vec(qv[0]) * Vec::loadu(rows[jj]);
+            VEC_UNROLL
+            for (int c = 1; c < NV; ++c) s = at::vec::fmadd(Vec(qv[c]), Vec::loadu(rows[jj] + kLanes * c), s);
             a[jj] = s;
           }
           (vec_loads::lane_sums(a) * score_scale).store(scores + h * Ls + i * BS + j0);
@@ -345,6 +364,7 @@ static void decode_seq(const float* q, float* out, const Rows& src, const int64_
     at::vec::map([inv](Vec x) { return x * Vec(inv); }, sg, sg, L);
   }
   for (int64_t h = 0; h < H; ++h)
+    VEC_UNROLL
     for (int c = 0; c < NV; ++c) Vec(0.f).store(out + h * D + kLanes * c);
   const int64_t half = (BS + 1) / 2;
   for (int64_t i = 0; i < nblk; ++i) {
@@ -517,17 +537,20 @@ static inline void invariant_tile(const float* x, const float* w, float* y, int6
                                   int64_t N, const float* bias) {
   constexpr int64_t V = Vec::size();
   Vec acc[MR][NR];
+  VEC_UNROLL
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
   int64_t k = 0;
   for (; k + V <= K; k += V) {
     Vec wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = Vec::loadu(w + (n0 + j) * K + k);
+    VEC_UNROLL
     for (int i = 0; i < MR; ++i) {
       Vec xv = Vec::loadu(x + (m0 + i) * K + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
     }
   }
+  VEC_UNROLL
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float s = invariant_dot_tail(x + (m0 + i) * K, w + (n0 + j) * K, k, K, hsum_vec(acc[i][j]));

@@ -7,6 +7,11 @@
 #include <ATen/cpu/vec/functional.h>
 #include <xmmintrin.h>  // _mm_prefetch: SSE, on every x86-64 CPU
 
+// NOTE: put before every loop over an array of vectors (accumulators, a row's vectors) in a kernel: GCC keeps such
+// an array in registers only where every loop that indexes it is unrolled in full, else the FMA chains go through
+// the stack (several times slower at few rows).
+#define VEC_UNROLL _Pragma("GCC unroll 32")
+
 namespace vec_loads {
 
 using FVec = at::vec::Vectorized<float>;
@@ -16,6 +21,17 @@ constexpr int kLanes = FVec::size();
 constexpr bool kSimd = true;
 #else
 constexpr bool kSimd = false;
+#endif
+
+// NOTE: arrays of accumulators in the kernels' hot loops hold the vector's register type (Reg), not FVec, and
+// convert at each use (free): with FVec elements GCC keeps such an array in memory wherever the loop also has a
+// branch (a prefetch), and every FMA chain then goes through the stack.
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using Reg = __m256;
+#else
+using Reg = FVec;
 #endif
 
 // kLanes int8 (kSigned) or uint8 values from p as floats (exact).

@@ -45,6 +45,7 @@ template <bool kAffine>
 static inline bool fits(const FVec* x, float s, float o, float low, float high, int32_t* codes) {
   const FVec vs(s), div(s != 0.f ? s : 1.f), vo(o), lo(low), hi(high), zero(0.f);
   FVec q[kGroupVecs];
+  VEC_UNROLL
   for (int h = 0; h < kGroupVecs; ++h) {
     const FVec centred = kAffine ? x[h] - vo : x[h];
     q[h] = s != 0.f ? at::vec::minimum(at::vec::maximum((centred / div).round(), lo), hi) : zero;
@@ -55,6 +56,7 @@ static inline bool fits(const FVec* x, float s, float o, float low, float high, 
     x[h].store(want);
     if (std::memcmp(rebuilt, want, sizeof rebuilt) != 0) return false;
   }
+  VEC_UNROLL
   for (int h = 0; h < kGroupVecs; ++h) at::vec::convert_to_int_of_same_size(q[h]).store(codes + kLanes * h);
   return true;
 }
@@ -62,6 +64,7 @@ static inline bool fits(const FVec* x, float s, float o, float low, float high, 
 // The group's 32 values, or false if one is NaN or infinite (x - x is 0 only for finite x).
 static inline bool load_finite(const float* p, FVec* x) {
   bool finite = true;
+  VEC_UNROLL
   for (int h = 0; h < kGroupVecs; ++h) {
     x[h] = FVec::loadu(p + kLanes * h);
     finite = finite && (x[h] - x[h]).zero_mask() == (1 << kLanes) - 1;
@@ -100,6 +103,7 @@ static bool affine4_group(const float* p, float* scale, float* offset, int32_t* 
 static bool sym8_group(const float* p, float* scale, int32_t* codes) {
   FVec x[kGroupVecs], a[kGroupVecs];
   if (!load_finite(p, x)) return false;
+  VEC_UNROLL
   for (int h = 0; h < kGroupVecs; ++h) a[h] = x[h].abs();
   const float amax = group_max(a);
   for (float d : {127.f, 8.f, 7.f}) {

@@ -25,6 +25,7 @@ namespace panel_gemm {
 
 using vec_loads::FVec;
 using vec_loads::kLanes;
+using vec_loads::Reg;
 // NOTE: the packed layouts are the same on every instruction set: a panel is 32 columns, 2 vectors of AVX-512 or 4
 // of AVX2, so a weight packed on one host is read bit for bit alike by the other's module.
 constexpr int64_t kCols = 32;
@@ -63,8 +64,10 @@ constexpr int64_t kPageHeadAhead = 16384;
 template <int MR, int PF>
 static void tile_pass(const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
                       const float* bias, int64_t cols, const char* prefetch, int64_t lines) {
-  FVec acc[MR][kTileVecs];
+  Reg acc[MR][kTileVecs];
+  VEC_UNROLL
   for (int i = 0; i < MR; ++i)
+    VEC_UNROLL
     for (int v = 0; v < kTileVecs; ++v) acc[i][v] = FVec(0.f);
   const int64_t steps = PF == 1 || PF == 2 ? lines / PF : 0;
   const int64_t gap = PF == 0 && lines > 0 ? (K << 16) / lines : 0;
@@ -89,16 +92,21 @@ static void tile_pass(const float* a, int64_t lda, const float* panel, int64_t K
       next = issued < lines ? (issued * gap) >> 16 : K;
     }
     FVec b[kTileVecs];
+    VEC_UNROLL
     for (int v = 0; v < kTileVecs; ++v) b[v] = FVec::loadu(panel + k * kCols + v * kLanes);
+    VEC_UNROLL
     for (int i = 0; i < MR; ++i) {
       const FVec av(a[i * lda + k]);
-      for (int v = 0; v < kTileVecs; ++v) acc[i][v] = at::vec::fmadd(av, b[v], acc[i][v]);
+      VEC_UNROLL
+      for (int v = 0; v < kTileVecs; ++v) acc[i][v] = at::vec::fmadd(av, b[v], FVec(acc[i][v]));
     }
   }
+  VEC_UNROLL
   for (int v = 0; v < kTileVecs; ++v) {
     const int64_t n = cols - v * kLanes;
     const FVec bv = bias ? vec_loads::load_first(bias + v * kLanes, n) : FVec(0.f);
-    for (int i = 0; i < MR; ++i) vec_loads::store_first(acc[i][v] + bv, c + i * ldc + v * kLanes, n);
+VEC_UNROLL
+    for (int i = 0; i < MR; ++i) vec_loads::store_first(FVec(acc[i][v]) + bv, c + i * ldc + v * kLanes, n);
   }
 }
 
@@ -170,6 +178,7 @@ template <bool kAffine>
 static inline void rebuild_step(const uint8_t* blk, int64_t k, const FVec* s, const FVec* o, FVec* w) {
   if constexpr (kAffine) {
     constexpr int kHalf = kPanelVecs / 2;  // vectors of columns 0-15 (low nibbles), then 16-31 (high)
+    VEC_UNROLL
     for (int v = 0; v < kHalf; ++v) {
       FVec lo, hi;
       nibble_floats(blk + 128 + 16 * k + v * kLanes, lo, hi);
@@ -177,6 +186,7 @@ static inline void rebuild_step(const uint8_t* blk, int64_t k, const FVec* s, co
       w[v + kHalf] = affine4_value(hi, s[v + kHalf], o[v + kHalf]);
     }
   } else {
+    VEC_UNROLL
     for (int v = 0; v < kPanelVecs; ++v)
       w[v] = mul_rn(vec_loads::bytes_to_float<true>(blk + 64 + 32 * k + v * kLanes), s[v]);
   }
@@ -185,6 +195,7 @@ static inline void rebuild_step(const uint8_t* blk, int64_t k, const FVec* s, co
 // A block's scales (and offsets), one vector per kLanes columns.
 template <bool kAffine>
 static inline void block_scales(const uint8_t* blk, FVec* s, FVec* o) {
+  VEC_UNROLL
   for (int v = 0; v < kPanelVecs; ++v) {
     s[v] = vec_loads::halves_to_float(blk + 2 * kLanes * v);
     if constexpr (kAffine) o[v] = vec_loads::halves_to_float(blk + 64 + 2 * kLanes * v);
@@ -199,12 +210,14 @@ static void rebuild_panel(const uint8_t* src, int64_t groups, int64_t block, flo
       block_scales<true>(src, s, o);
       for (int64_t k = 0; k < kGroup; ++k) {
         rebuild_step<true>(src, k, s, o, w);
+        VEC_UNROLL
         for (int v = 0; v < kPanelVecs; ++v) w[v].store(out + k * kCols + v * kLanes);
       }
     } else {
       block_scales<false>(src, s, o);
       for (int64_t k = 0; k < kGroup; ++k) {
         rebuild_step<false>(src, k, s, o, w);
+        VEC_UNROLL
         for (int v = 0; v < kPanelVecs; ++v) w[v].store(out + k * kCols + v * kLanes);
       }
     }
@@ -224,13 +237,17 @@ template <int MR, int NP, bool kAffine>
 static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t panel_bytes, int64_t groups, float* c,
                        int64_t ldc, const float* bias, int64_t cols) {
   constexpr int64_t block = kAffine ? kAffine4Block : kSym8Block;
-  FVec acc[NP][MR][kPanelVecs];
+  Reg acc[NP][MR][kPanelVecs];
+  VEC_UNROLL
   for (int j = 0; j < NP; ++j)
+    VEC_UNROLL
     for (int i = 0; i < MR; ++i)
+      VEC_UNROLL
       for (int v = 0; v < kPanelVecs; ++v) acc[j][i][v] = FVec(0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk[NP];
     FVec s[NP][kPanelVecs], o[NP][kPanelVecs];
+    VEC_UNROLL
     for (int j = 0; j < NP; ++j) {
       blk[j] = src + j * panel_bytes + g * block;
       block_scales<kAffine>(blk[j], s[j], o[j]);
@@ -239,22 +256,28 @@ static void fused_rows(const float* a, int64_t lda, const uint8_t* src, int64_t 
     }
     const float* ag = a + g * kGroup;
     for (int64_t k = 0; k < kGroup; ++k) {
+      VEC_UNROLL
       for (int j = 0; j < NP; ++j) {
         FVec w[kPanelVecs];
         rebuild_step<kAffine>(blk[j], k, s[j], o[j], w);
+        VEC_UNROLL
         for (int i = 0; i < MR; ++i) {
           const FVec av(ag[i * lda + k]);
-          for (int v = 0; v < kPanelVecs; ++v) acc[j][i][v] = at::vec::fmadd(av, w[v], acc[j][i][v]);
+          VEC_UNROLL
+          for (int v = 0; v < kPanelVecs; ++v) acc[j][i][v] = at::vec::fmadd(av, w[v], FVec(acc[j][i][v]));
         }
       }
     }
   }
+VEC_UNROLL
   for (int j = 0; j < NP; ++j) {
     const float* bj = bias ? bias + j * kCols : nullptr;
+VEC_UNROLL
     for (int v = 0; v < kPanelVecs; ++v) {
       const int64_t n = cols - j * kCols - v * kLanes;
       const FVec b = bj ? vec_loads::load_first(bj + v * kLanes, n) : FVec(0.f);
-      for (int i = 0; i < MR; ++i) vec_loads::store_first(acc[j][i][v] + b, c + i * ldc + j * kCols + v * kLanes, n);
+VEC_UNROLL
+      for (int i = 0; i < MR; ++i) vec_loads::store_first(FVec(acc[j][i][v]) + b, c + i * ldc + j * kCols + v * kLanes, n);
     }
   }
 }

@@ -59,10 +59,12 @@ void int4_row_to_float(const uint8_t* p, const at::Half* scale, const at::Half* 
 template <int R>
 void dot_rows(const float* x, const float* w, int64_t K, float* out) {
   QVec a0[R], a1[R];
+  VEC_UNROLL
   for (int j = 0; j < R; ++j) a0[j] = a1[j] = QVec(0.f);
   int64_t k = 0;
   for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
     const QVec x0 = QVec::loadu(x + k), x1 = QVec::loadu(x + k + kLanes);
+    VEC_UNROLL
     for (int j = 0; j < R; ++j) {
       a0[j] = at::vec::fmadd(x0, QVec::loadu(w + j * K + k), a0[j]);
       a1[j] = at::vec::fmadd(x1, QVec::loadu(w + j * K + k + kLanes), a1[j]);
@@ -70,9 +72,11 @@ void dot_rows(const float* x, const float* w, int64_t K, float* out) {
   }
   if (k + kLanes <= K) {
     const QVec x0 = QVec::loadu(x + k);
+    VEC_UNROLL
     for (int j = 0; j < R; ++j) a0[j] = at::vec::fmadd(x0, QVec::loadu(w + j * K + k), a0[j]);
     k += kLanes;
   }
+  VEC_UNROLL
   for (int j = 0; j < R; ++j) {
     float s = vec_loads::reduce_add(a0[j] + a1[j]);
     for (int64_t kk = k; kk < K; ++kk) s += x[kk] * w[j * K + kk];
