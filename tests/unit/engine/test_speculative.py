@@ -152,7 +152,6 @@ def test_drafted_rows_are_never_split_over_threads(tiny_llama, baseline, monkeyp
     # whatever split_rows says; steps without drafts still split (a race would be timing-dependent, so the
     # test checks the split the kernel is asked for).
     from engine.kernels.cpu_build import cpu_kernels
-
     from engine.models.fused_decode import FusedDecoder
 
     ops = cpu_kernels()
