@@ -317,6 +317,10 @@ def test_service_config_maps_speculation_into_the_engine_and_chat_opts_in():
     assert (engine.speculative_method, engine.num_speculative_tokens, engine.prompt_lookup_max,
             engine.prompt_lookup_min) == ("prompt_lookup", 3, 5, 3)
     assert ServiceConfig().engine_config().speculative_method is None
+    drafted = ServiceConfig(speculative=SpeculativeConfig(method="draft_model", draft_model="smollm2",
+                                                          draft_kv_cache_bytes=64 << 20)).engine_config()
+    assert (drafted.speculative_method, drafted.draft_model, drafted.draft_kv_cache_bytes) == (
+        "draft_model", "smollm2", 64 << 20)
     with pytest.raises(InvalidRequestError, match="n_min: must be <= n"):
         SpeculativeConfig(n=2, n_min=3)
     with pytest.raises(ConfigError, match=r"speculative\.n_min"):
