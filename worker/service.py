@@ -9,7 +9,8 @@ one file each, top to bottom:
   flusher.py     each partition's finished prefix and its offset, one transaction per partition
 
 Beside the path: partitions.py (assign, revoke, set-up, fencing, pause, watchdog) and
-health.py (/healthz, /readyz, load, housekeeping). Nothing on the event loop waits on the engine.
+health.py (/healthz, /readyz, load, housekeeping); lifecycle.py builds the clients and stops
+tasks. Nothing on the event loop waits on the engine.
 """
 
 from __future__ import annotations
