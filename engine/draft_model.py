@@ -46,16 +46,22 @@ class DraftModelProposer:
         self._ids = itertools.count()
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        tokens = request.token_ids
-        if max_tokens <= 0 or len(tokens) + max_tokens > self.engine.max_model_len:
-            return []
-        rid = f"draft-{next(self._ids)}"
-        self.engine.add_request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        draft: list[int] = []
+        return self.propose_many([(request, max_tokens)])[0]
+
+    def propose_many(self, asks: list[tuple[Request, int]]) -> list[list[int]]:
+        """One draft per (request, max_tokens), the requests run as one batch of the draft engine."""
+        ids: dict[str, int] = {}
+        for i, (request, max_tokens) in enumerate(asks):
+            if max_tokens > 0 and len(request.token_ids) + max_tokens <= self.engine.max_model_len:
+                rid = f"draft-{next(self._ids)}"
+                self.engine.add_request(rid, list(request.token_ids),
+                                        SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                ids[rid] = i
+        drafts: list[list[int]] = [[] for _ in asks]
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.request_id == rid:
-                    draft = list(out.token_ids)
+                if out.finished and out.request_id in ids:
+                    drafts[ids[out.request_id]] = list(out.token_ids)
         # The draft engine's KV events would only pile up: nobody indexes its blocks.
         self.engine.take_kv_events()
-        return draft[:max_tokens]
+        return [draft[:max_tokens] for draft, (_, max_tokens) in zip(drafts, asks, strict=True)]
