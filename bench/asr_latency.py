@@ -24,7 +24,15 @@ import uuid
 
 import numpy as np
 
-from bench.report import PERF, console, invocation, markdown_table, print_table, update_docs_section, write_json
+from bench.report import (
+    PERF,
+    console,
+    invocation,
+    markdown_table,
+    print_table,
+    update_docs_section,
+    write_json,
+)
 from bench.speculative import ASR_CHUNKS
 
 ARMS = {"speculation off": None, "prompt lookup on": "prompt_lookup"}
