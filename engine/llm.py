@@ -10,6 +10,7 @@ from engine.engine_core import EngineCore
 from engine.errors import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.vision.preprocess import ImageInput
 
 Prompt = str | list[int]
 
@@ -30,11 +31,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, masks: Sequence[MaskSpec] | None = None, images: Sequence[Sequence[bytes]] | None = None,
+                 *, masks: Sequence[MaskSpec] | None = None, images: Sequence[Sequence[bytes | ImageInput]] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """One output per prompt, in order. A bad request fails alone (its output carries `error`).
 
-        `images[i]` are prompt i's encoded image files (PNG, JPEG, ...), one per image token in it."""
+        `images[i]` are prompt i's images, encoded files (PNG, JPEG, ...) or ImageInputs from
+        engine.load_image, one per image token in it."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
@@ -82,7 +84,8 @@ class LLM:
             try:
                 if isinstance(prompt, RequestError):
                     raise prompt
-                loaded = [engine.load_image(data, name=f"image {k}") for k, data in enumerate(images[i])]
+                loaded = [data if isinstance(data, ImageInput) else engine.load_image(data, name=f"image {k}")
+                          for k, data in enumerate(images[i])]
                 engine.add_request(rid, prompt, p, mask=mask, images=loaded)
             except RequestError as exc:
                 results[rid] = _error_output(rid, prompt, exc)

@@ -113,7 +113,8 @@ class InFlightTable:
                               f"deadline passed {now_ms - deadline:.0f} ms before the request could start")
                     continue
                 work = item.payload
-                jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at))
+                jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at,
+                                      work.images))
                 self._in_engine.add(item.key)
         self.engine_loop.submit(jobs)
 

@@ -22,6 +22,7 @@ class Work:
     params: SamplingParams
     mask: MaskSpec = CAUSAL
     stream: bool = False  # publish this job's text deltas
+    images: tuple = ()  # engine ImageInputs for the prompt's image placeholders, in order
 
 
 @dataclass
@@ -52,3 +53,4 @@ class HandlerContext:
     config: Any
     redis: Any = None
     metrics: Any = None
+    images: Any = None  # worker.handlers.images.ImageReader for a vision model; None: text only

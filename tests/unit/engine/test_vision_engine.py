@@ -1,0 +1,104 @@
+"""The engine's image path on a tiny LLaVA: the prefix cache keys on image content, and bad images fail
+alone with invalid_request naming the image."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
+from engine.errors import RequestError
+from engine.request import Request
+from engine.vision.llava import ImageSpan
+from engine.vision.preprocess import ImageInput, ImageLimits
+from tests.vision_models import picture, write_tiny_llava
+
+# Text before the image fills more than two 16-token blocks, so a prefix of whole blocks is image-free.
+PROMPT = "<s>system: you describe pictures briefly</s><s>user: <image>what is it?</s><s>assistant: "
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava_path(tmp_path_factory):
+    return write_tiny_llava(tmp_path_factory.mktemp("llava"), seed=4)
+
+
+def _answer(llm: LLM, image: bytes):
+    (out,) = llm.generate([PROMPT], GREEDY, images=[[image]])
+    assert out.error is None
+    return out
+
+
+def test_same_text_with_two_images_gives_two_answers_and_a_repeated_image_hits_the_cache(llava_path):
+    a, b = picture("circle"), picture("stripes")
+    cold_a = _answer(LLM(model=str(llava_path), dtype="float32"), a)
+    cold_b = _answer(LLM(model=str(llava_path), dtype="float32"), b)
+    assert cold_a.token_ids != cold_b.token_ids
+
+    llm = LLM(model=str(llava_path), dtype="float32", block_size=16)
+    first = _answer(llm, a)
+    image_start = llm.tokenizer.encode(PROMPT).index(llm.engine.model_config.vision.image_token_id)
+    other = _answer(llm, b)  # warm cache of the same text with picture a: only image-free blocks may be reused
+    assert other.token_ids == cold_b.token_ids
+    assert 0 < other.num_cached_tokens <= image_start // 16 * 16
+    again = _answer(llm, a)
+    assert first.token_ids == again.token_ids == cold_a.token_ids
+    assert again.num_cached_tokens > image_start + llm.engine.model_config.vision.num_image_tokens
+
+
+def _request(images: tuple) -> Request:
+    return Request("r", list(range(64)), SamplingParams(), frozenset(), images=images)
+
+
+def test_block_hashes_differ_from_the_first_block_an_image_touches():
+    import torch
+
+    def image(tag: bytes) -> ImageInput:
+        return ImageInput(torch.zeros(3, 2, 2), tag * 16)
+
+    kv = BlockManager(num_blocks=8, block_size=16)
+    hashes = []
+    for tag in (b"a", b"b"):
+        req = _request((ImageSpan(image(tag), start=20, length=8),))
+        kv.compute_block_hashes(req)
+        hashes.append(req.block_hashes)
+    plain = _request(())
+    kv.compute_block_hashes(plain)
+    assert hashes[0][0] == hashes[1][0] == plain.block_hashes[0]  # block 0 ends before the image
+    assert all(x != y for x, y in zip(hashes[0][1:], hashes[1][1:], strict=True))
+    assert all(x != y for x, y in zip(hashes[0][1:], plain.block_hashes[1:], strict=True))
+
+
+def test_bad_images_fail_alone_with_invalid_request_naming_the_image(llava_path):
+    llm = LLM(model=str(llava_path), dtype="float32")
+    good = picture("circle")
+    outs = llm.generate([PROMPT, PROMPT, PROMPT, PROMPT], GREEDY,
+                        images=[[b"not an image at all"], [good], [good, good], [good[: len(good) // 2]]])
+    assert outs[1].error is None and len(outs[1].token_ids) == 6
+    for i in (0, 2, 3):
+        assert isinstance(outs[i].error, RequestError) and outs[i].error.code == "invalid_request"
+    assert "image 0" in str(outs[0].error) and "not a readable image" in str(outs[0].error)
+    assert "1 image placeholder(s) but the request has 2 image(s)" in str(outs[2].error)
+    assert "image 0" in str(outs[3].error)
+
+
+def test_image_limits_are_checked_before_decoding(llava_path):
+    from PIL import Image
+
+    llm = LLM(model=str(llava_path), dtype="float32")
+    data = picture("noise", (64, 64))
+    with pytest.raises(RequestError, match=r"image 2 has \d+ bytes; the limit is 100"):
+        llm.engine.load_image(data, ImageLimits(max_bytes=100), name="image 2")
+    big = io.BytesIO()
+    Image.new("RGB", (3000, 3000)).save(big, format="PNG")  # compresses to a few KB
+    with pytest.raises(RequestError, match="3000x3000 = 9000000 pixels; the limit is 1000000"):
+        llm.engine.load_image(big.getvalue(), ImageLimits(max_pixels=1_000_000))
+
+
+def test_an_image_sent_to_a_text_only_model_is_refused(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    (out,) = llm.generate(["hello"], GREEDY, images=[[picture("circle")]])
+    assert out.error is not None and out.error.code == "invalid_request"
+    assert "takes no images" in str(out.error)
