@@ -5,17 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import msgspec
 import pytest
 
 from engine import LLM, RequestError, SamplingParams
-from schemas import ChatRequest, ImagePart, ImageURL, ImageURLPart, Message, SchemaError, TextPart, decode_request, encode
+from schemas import (
+    ChatRequest,
+    ImagePart,
+    ImageURL,
+    ImageURLPart,
+    Message,
+    SchemaError,
+    TextPart,
+    decode_request,
+    encode,
+)
+from tests.vision_models import picture, write_tiny_llava
 from worker.config import load_config
 from worker.handlers import HandlerContext
 from worker.handlers.chat import ChatHandler
 from worker.handlers.images import ImageReader
-from tests.vision_models import picture, write_tiny_llava
 
 
 def data_url(data: bytes) -> str:
@@ -28,9 +39,8 @@ def chat(*parts, rid: str = "r1") -> ChatRequest:
 
 def test_json_image_url_and_msgpack_raw_bytes_decode_to_the_same_image():
     png = picture("circle")
-    as_json = ('{"v": 1, "kind": "chat", "id": "a", "messages": [{"role": "user", "content": ['
-               '{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": "%s"}}]}]}'
-               % data_url(png)).encode()
+    as_json = json.dumps({"v": 1, "kind": "chat", "id": "a", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": data_url(png)}}]}]}).encode()
     req = decode_request(as_json, "application/json")
     assert isinstance(req.messages[0].content[1], ImageURLPart)
     packed = encode(chat(TextPart(text="what?"), ImagePart(image=png)), "msgpack")
