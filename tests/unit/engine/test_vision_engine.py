@@ -102,3 +102,19 @@ def test_an_image_sent_to_a_text_only_model_is_refused(tiny_llama):
     (out,) = llm.generate(["hello"], GREEDY, images=[[picture("circle")]])
     assert out.error is not None and out.error.code == "invalid_request"
     assert "takes no images" in str(out.error)
+
+
+def test_kv_events_for_the_redis_prefix_index_carry_the_image_aware_hashes(llava_path):
+    from engine import BlockStored
+
+    llm = LLM(model=str(llava_path), dtype="float32", block_size=16)
+
+    def stored(image: bytes) -> list[int]:
+        _answer(llm, image)
+        return [h for e in llm.engine.take_kv_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+
+    image_start = llm.tokenizer.encode(PROMPT).index(llm.engine.model_config.vision.image_token_id)
+    with_a, with_b = stored(picture("circle")), stored(picture("stripes"))
+    shared = image_start // 16  # whole blocks before the image: computed once, stored once
+    assert len(with_a) > shared and with_b  # b stores its own blocks from the image's first block on
+    assert not set(with_b) & set(with_a[shared:])
