@@ -118,3 +118,64 @@ def test_kv_events_for_the_redis_prefix_index_carry_the_image_aware_hashes(llava
     shared = image_start // 16  # whole blocks before the image: computed once, stored once
     assert len(with_a) > shared and with_b  # b stores its own blocks from the image's first block on
     assert not set(with_b) & set(with_a[shared:])
+
+
+# config.json of llava-hf/llava-1.5-7b-hf as published: only what differs from the transformers defaults.
+LLAVA_15_CONFIG = {
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16", "vision_config": {
+        "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+        "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+}
+
+
+def test_llava_15_config_fills_the_transformers_defaults():
+    from engine.models.config import ModelConfig
+
+    mc = ModelConfig.from_dict(LLAVA_15_CONFIG)
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size) == \
+        (4096, 32, 32, 32, 11008, 32064)
+    assert mc.max_position_embeddings == 4096 and mc.rms_norm_eps == 1e-5 and mc.eos_token_ids == (2,)
+    v = mc.vision
+    assert (v.hidden_size, v.num_layers, v.image_size, v.patch_size, v.hidden_act) == (1024, 24, 336, 14, "quick_gelu")
+    assert v.num_image_tokens == 576 and v.layers_to_run == 23 and v.image_token_id == 32000
+    assert v.text_hidden_size == 4096 and v.projector_act == "gelu"
+
+
+def test_the_other_checkpoint_layout_loads_to_the_same_model(llava_path, tmp_path):
+    """transformers writes `language_model.model.*` and `vision_tower.*`; llava-hf's folders hold
+    `vision_tower.vision_model.*`, and transformers 5's in-memory names are `model.language_model.*`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.vision.llava import checkpoint_part
+
+    old = tmp_path / "other-layout"
+    shutil.copytree(llava_path, old)
+    state = load_file(str(old / "model.safetensors"))
+    renamed = {}
+    for name, tensor in state.items():
+        part, inner = checkpoint_part(name)
+        if part == "vision" and inner.startswith("vision_tower."):
+            renamed["vision_tower.vision_model." + inner[len("vision_tower."):]] = tensor
+        elif part == "vision":
+            renamed[inner] = tensor
+        elif inner.startswith("model."):
+            renamed["model.language_model." + inner[len("model."):]] = tensor
+        else:
+            renamed[inner] = tensor  # lm_head.weight
+    assert any(k.startswith("language_model.model.layers.") for k in state)
+    assert any(k.startswith("model.language_model.layers.") for k in renamed) and "lm_head.weight" in renamed
+    assert any(k.startswith("vision_tower.vision_model.encoder.") for k in renamed)
+    (old / "model.safetensors").unlink()
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    image = picture("noise")
+    assert _answer(LLM(model=str(old), dtype="float32"), image).token_ids == \
+        _answer(LLM(model=str(llava_path), dtype="float32"), image).token_ids
