@@ -25,6 +25,7 @@ from engine.attention.metadata import CAUSAL, MaskSpec
 from engine.attention.selection import select_backend, select_int8_backend
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, CacheLayout, EngineConfig
+from engine.draft_model import DraftModelProposer, draft_config
 from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, RequestError
 from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
@@ -41,7 +42,7 @@ from engine.quant.modules import weight_bytes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import make_proposer
+from engine.speculative import Proposer, make_proposer
 from engine.tokenizer import Tokenizer
 from engine.vision.llava import VisionEncoder, load_vision_encoder, place_images
 from engine.vision.preprocess import ImageInput, ImageLimits, ImageProcessor
@@ -104,7 +105,7 @@ class EngineCore:
         self.deterministic_grid = min(config.deterministic_chunk, config.max_num_batched_tokens // bs * bs)
         self.block_manager.deterministic_chunk = self.deterministic_grid
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.deterministic_grid, make_proposer(config),
+                                   self.max_model_len, self.deterministic_grid, self._proposer(),
                                    config.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         self.runner.vision = self.vision
@@ -130,6 +131,13 @@ class EngineCore:
         self._ids = itertools.count()
         self._steps = 0
         self.last_stats = EngineStats()
+
+    def _proposer(self) -> Proposer | None:
+        if self.config.speculative_method != "draft_model":
+            return make_proposer(self.config)
+        draft = EngineCore(draft_config(self.config, self.max_model_len))
+        return DraftModelProposer(draft, self.model_config.vocab_size,
+                                  self.tokenizer.vocab() if self.tokenizer is not None else None)
 
     def _capture_graphs(self) -> None:
         """Capture the decode graphs; if that fails, serve with eager decode steps rather than not at all."""
