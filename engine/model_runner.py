@@ -104,7 +104,7 @@ class ModelRunner:
         if started is not None:
             started.record()
         with batch_invariant(invariant):
-            embeds = step_embeddings(self.vision, self.model.embed_tokens, ordered, input_ids) \
+            embeds = step_embeddings(self.vision, self.model.embed_tokens, ordered, input_ids, invariant) \
                 if self.vision is not None else None
             if embeds is not None:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds=embeds)

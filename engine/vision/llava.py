@@ -136,12 +136,15 @@ def place_images(token_ids: list[int], images: Sequence[ImageInput], cfg: Vision
 
 
 def step_embeddings(encoder: VisionEncoder, embed_tokens: nn.Module, scheduled: Sequence, input_ids: torch.Tensor,
-                    ) -> torch.Tensor | None:
+                    one_by_one: bool = False) -> torch.Tensor | None:
     """The step's input embeddings with image features at image positions; None if no row is an image's.
 
     `scheduled` is the step's requests in the order of their rows in the flat batch. Every image with a
     position in the step is encoded, all in one batch, whole (a chunk boundary or a prefix-cache hit
-    may leave only part of its positions to compute)."""
+    may leave only part of its positions to compute).
+
+    NOTE: `one_by_one` (a step with a deterministic request) encodes each image alone: a GEMM's rounding
+    depends on how many rows it has, so a batched image's features depend on the other images."""
     jobs: list[tuple[int, ImageSpan, int, int]] = []  # (first flat row, span, first and end position in the image)
     row = 0
     for s in scheduled:
@@ -160,7 +163,8 @@ def step_embeddings(encoder: VisionEncoder, embed_tokens: nn.Module, scheduled: 
             index[id(span.image)] = len(pixels)
             pixels.append(span.image.pixel_values)
     device = input_ids.device
-    features = encoder(torch.stack(pixels).to(device, non_blocking=True))
+    batch = torch.stack(pixels).to(device, non_blocking=True)
+    features = torch.cat([encoder(batch[i:i + 1]) for i in range(len(pixels))]) if one_by_one else encoder(batch)
     embeds = embed_tokens(input_ids)
     for first, span, lo, hi in jobs:
         embeds[first:first + hi - lo] = features[index[id(span.image)], lo:hi].to(embeds.dtype)

@@ -179,3 +179,32 @@ def test_the_other_checkpoint_layout_loads_to_the_same_model(llava_path, tmp_pat
     image = picture("noise")
     assert _answer(LLM(model=str(old), dtype="float32"), image).token_ids == \
         _answer(LLM(model=str(llava_path), dtype="float32"), image).token_ids
+
+
+def test_deterministic_steps_encode_each_image_alone_so_its_features_never_depend_on_the_batch(llava_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.vision.llava import place_images, step_embeddings
+
+    llm = LLM(model=str(llava_path), dtype="float32")
+    cfg = llm.engine.model_config.vision
+    token_ids = [5, cfg.image_token_id, 7]
+
+    def request(data: bytes):
+        ids, spans = place_images(token_ids, [llm.engine.load_image(data)], cfg)
+        return SimpleNamespace(token_ids=ids, start=0, images=spans)
+
+    def target_rows(others: list[bytes], one_by_one: bool) -> torch.Tensor:
+        scheduled = [request(d) for d in others] + [request(picture("circle"))]
+        ids = torch.tensor([t for s in scheduled for t in s.token_ids])
+        embeds = step_embeddings(llm.engine.vision, llm.engine.model.embed_tokens, scheduled, ids, one_by_one)
+        return embeds[-len(scheduled[-1].token_ids):]
+
+    others = [picture("noise", seed=s) for s in range(5)]
+    alone = target_rows([], False)
+    assert torch.equal(target_rows(others, True), alone)
+    # The control: batched with five other images, the same image's features move in the last bits.
+    assert not torch.equal(target_rows(others, False), alone)
+    torch.testing.assert_close(target_rows(others, False), alone)
