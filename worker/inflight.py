@@ -87,7 +87,8 @@ class InFlightTable:
         fl.stream = [w.stream for w in prepared.work]
         for engine_id, work in zip(fl.engine_ids, prepared.work, strict=True):
             self._entries[engine_id] = fl
-            ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids), work.params.max_tokens,
+            ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids) + work.image_positions,
+                                               work.params.max_tokens,
                                                payload=work, arrival=time.monotonic()))
             self.submit(ready)
         self.submit(self.batcher.release(self.room()))

@@ -23,6 +23,7 @@ class Work:
     mask: MaskSpec = CAUSAL
     stream: bool = False  # publish this job's text deltas
     images: tuple = ()  # engine ImageInputs for the prompt's image placeholders, in order
+    image_positions: int = 0  # prompt positions the placeholders add when the engine expands them
 
 
 @dataclass

@@ -85,7 +85,8 @@ class ChatHandler:
         params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic,
                                      speculative=ctx.config.speculative.chat)
         # A repair attempt streams nothing: the first attempt's deltas were already sent.
-        return Work(token_ids, params, stream=req.stream and state.attempt == 0, images=state.images)
+        return Work(token_ids, params, stream=req.stream and state.attempt == 0, images=state.images,
+                    image_positions=extra)
 
     async def prepare(self, req: ChatRequest, ctx: HandlerContext) -> Prepared:
         images = await ctx.images.read(req) if ctx.images else tuple(image_parts(req, None))

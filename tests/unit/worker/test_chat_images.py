@@ -90,6 +90,7 @@ def test_the_handler_puts_images_where_the_parts_are_and_the_engine_runs_them(ll
     prepared = asyncio.run(ChatHandler().prepare(req, ctx))
     (work,) = prepared.work
     assert len(work.images) == 2
+    assert work.image_positions == 2 * (llava.engine.model_config.vision.num_image_tokens - 1)
     text = llava.tokenizer.apply_chat_template([{"role": "user", "content": "compare\n<image>\n<image>"}])
     assert work.prompt_token_ids == llava.tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(max_tokens=4, temperature=0)
