@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,14 +26,14 @@ from engine.attention.selection import select_backend, select_int8_backend
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, CacheLayout, EngineConfig
 from engine.draft_model import DraftModelProposer, draft_config
-from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
+from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, RequestError
 from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner, StepHandle
 from engine.models.config import ModelConfig
 from engine.models.embedding_offload import offload_embedding
-from engine.models.loader import dummy_model
+from engine.models.loader import dummy_model, safetensors_files
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.platform_tuning import tune_model
@@ -43,6 +44,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import Proposer, make_proposer
 from engine.tokenizer import Tokenizer
+from engine.vision.llava import VisionEncoder, load_vision_encoder, place_images
+from engine.vision.preprocess import ImageInput, ImageLimits, ImageProcessor
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class EngineCore:
         else:
             self.model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
                                            self.device, self.tokenizer)
+        self.vision, self.image_processor = load_vision(self.model_path, mc, config, self.dtype, self.device)
         if config.embedding_offload:
             offload_embedding(self.model, self.device)
         tuning = tune_model(self.model, config, self.device, self.dtype)
@@ -104,6 +108,7 @@ class EngineCore:
                                    self.max_model_len, self.deterministic_grid, self._proposer(),
                                    config.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.runner.vision = self.vision
         if self.layout.window:
             self.runner.kv_window = KVWindowSlots(self.layout.window, self.layout.window_slots)
         # The int8 KV path has not been captured into CUDA graphs on a GPU yet: it runs eagerly.
@@ -147,8 +152,10 @@ class EngineCore:
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, mask: MaskSpec = CAUSAL, arrival_time: float | None = None,
-                    add_special_tokens: bool = True) -> Request:
-        """Validate and queue a request; raises RequestError (with a stable code) if it can't run."""
+                    add_special_tokens: bool = True, images: Sequence[ImageInput] = ()) -> Request:
+        """Validate and queue a request; raises RequestError (with a stable code) if it can't run.
+
+        `images` (from load_image) go, in order, where the prompt has the model's image token."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -158,6 +165,9 @@ class EngineCore:
         prompt_text, token_ids = self._tokenize(prompt, add_special_tokens)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
+        spans: tuple = ()
+        if images or self.vision is not None:
+            token_ids, spans = self._place_images(token_ids, images)
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
@@ -176,7 +186,7 @@ class EngineCore:
                 f"most max_num_batched_tokens={self.config.max_num_batched_tokens} tokens; they have "
                 f"{len(token_ids) - mask.start}"
             )
-        req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text)
+        req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text, spans)
         if params.banned_phrases:
             if self.tokenizer is None:
                 raise InvalidRequestError("banned phrases need a model with a tokenizer")
@@ -184,6 +194,17 @@ class EngineCore:
         self.output_processor.add(req)
         self.scheduler.add(req)
         return req
+
+    def load_image(self, data: bytes, limits: ImageLimits | None = None, name: str = "image") -> ImageInput:
+        """Decode and preprocess an image for this model; InvalidRequestError, naming `name`, if it can't be used."""
+        if self.image_processor is None:
+            raise InvalidRequestError(f"{name}: this model takes no images (it has no vision tower)")
+        return self.image_processor.load(data, limits or ImageLimits(), name)
+
+    def _place_images(self, token_ids: list[int], images: Sequence[ImageInput]) -> tuple[list[int], tuple]:
+        if self.vision is None:
+            raise InvalidRequestError("image 0: this model takes no images (it has no vision tower)")
+        return place_images(token_ids, images, self.model_config.vision)
 
     def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -313,6 +334,21 @@ class EngineCore:
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
         )
+
+
+def load_vision(folder: Path, mc: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                device: torch.device) -> tuple[VisionEncoder | None, ImageProcessor | None]:
+    """A LLaVA model's vision encoder and image processor; (None, None) for a text-only model."""
+    if mc.vision is None:
+        return None, None
+    if config.load_format == "dummy":
+        raise ModelLoadError("load_format=dummy does not build vision models; load the checkpoint")
+    processor = ImageProcessor.from_folder(folder)
+    size = (mc.vision.image_size, mc.vision.image_size)
+    if processor.output_size != size:
+        raise ModelLoadError(f"{folder}: the image processor makes {processor.output_size} images, "
+                             f"the vision tower takes {size}")
+    return load_vision_encoder(folder, safetensors_files(folder), mc.vision, dtype, device), processor
 
 
 def _may_overlap(sched: SchedulerOutput) -> bool:

@@ -52,6 +52,7 @@ class ScheduledRequest:
     banned: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
     pending_index: int = -1  # where advance() put this step's sampled token in the request's tokens
     num_draft: int = 0  # the last num_draft token_ids are a speculative draft, not yet the request's tokens
+    images: tuple = ()  # the request's engine.vision.llava.ImageSpans (the runner encodes those in this chunk)
 
     @property
     def is_decode(self) -> bool:
@@ -240,6 +241,7 @@ class Scheduler:
             history=req.token_ids,
             banned=req.banned_sequences,
             num_draft=len(draft),
+            images=req.images,
         ))
         out.num_scheduled_tokens += num_new + len(draft)
 

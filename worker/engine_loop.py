@@ -31,6 +31,7 @@ class EngineJob:
     params: SamplingParams
     mask: MaskSpec = CAUSAL
     arrival_time: float | None = None
+    images: tuple = ()
 
 
 @dataclass
@@ -164,7 +165,7 @@ class EngineLoop:
                 for job in payload:
                     try:
                         self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, mask=job.mask,
-                                                arrival_time=job.arrival_time)
+                                                arrival_time=job.arrival_time, images=job.images)
                     except RequestError as exc:
                         errors.append((job.request_id, exc))
             elif kind == "abort":

@@ -30,6 +30,7 @@ from worker.flusher import Flusher
 from worker.handlers import Handler, HandlerContext
 from worker.handlers.asr import AsrHandler
 from worker.handlers.chat import ChatHandler
+from worker.handlers.images import ImageReader
 from worker.handlers.risk import RiskHandler
 from worker.health import Health
 from worker.http import HealthServer
@@ -82,6 +83,7 @@ class Worker:
             tokenizer=self.engine.tokenizer, max_model_len=self.engine.max_model_len,
             max_num_batched_tokens=self.engine.config.max_num_batched_tokens, worker_id=self.worker_id,
             model_name=self.model_name, config=config, metrics=self.metrics,
+            images=ImageReader.for_engine(self.engine, config.chat),
         )
         self.batcher = make_batcher(
             config.execution.batcher, max_seq_len=self.engine.max_model_len,
