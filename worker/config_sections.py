@@ -216,7 +216,9 @@ class ChatConfig(Settings):
 class AsrConfig(Settings):
     """Streaming ASR post-correction."""
 
-    gap_timeout_s: Seconds = 5.0
+    # Covers a predecessor still queued or running here, or redelivered after a rebalance
+    # (kafka.session_timeout_ms and more): a real gap waits this long without blocking other work.
+    gap_timeout_s: Seconds = 30.0
     # causal is the default everywhere; chunk_bidirectional lets a chunk's tokens see each other.
     mask_policy: Literal["causal", "chunk_bidirectional", "prefix_bidirectional", "packed_segments"] = "causal"
 
