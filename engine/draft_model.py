@@ -24,10 +24,12 @@ if TYPE_CHECKING:
 
 def draft_config(target: EngineConfig, max_model_len: int) -> EngineConfig:
     """The draft engine's config: the target's, with the draft model, its own KV budget, no speculation and
-    no forced block count (a test's num_kv_blocks sizes the target's pool, not the draft's)."""
+    no forced block count (a test's num_kv_blocks sizes the target's pool, not the draft's). A small draft runs
+    whole in the target's process (rank 0 under tensor parallelism)."""
     return target.replace(model=target.draft_model, draft_model=None, speculative_method=None,
                           kv_cache_memory_bytes=target.draft_kv_cache_bytes, num_kv_blocks=None,
-                          max_model_len=max_model_len, enable_prefix_caching=True, async_scheduling=False)
+                          max_model_len=max_model_len, enable_prefix_caching=True, async_scheduling=False,
+                          tensor_parallel_size=1)
 
 
 class DraftModelProposer:

@@ -77,28 +77,27 @@ class EngineCore:
         self.tokenizer = Tokenizer(self.model_path, mc.eos_token_ids) if (self.model_path / "tokenizer.json").is_file() else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
 
-        if config.cache_bits == 8:
-            backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
-                                          mc.head_dim)
-        else:
-            backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
-                                     mc.head_dim, config.block_size)
         max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if config.load_format == "dummy":
-            self.model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
+        # Tensor parallelism (engine/parallel/): this process is rank 0 and holds its shard; the other ranks
+        # are spawned here and run each step's forward pass with it.
+        self.parallel = None
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.launcher import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup(config, self.model_path, mc, self.device, self.dtype, max_positions)
+            self.model, tuning = self.parallel.state.model, self.parallel.state.tuning
+            self.layout: CacheLayout = self.parallel.state.layout
+            self.kv_caches = self.parallel.state.kv_caches
         else:
-            self.model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
-                                           self.device, self.tokenizer)
+            self.model, tuning = self._load_model(config, mc, max_positions)
+            self.layout = plan_cache_layout(config, mc, self.device, self.dtype)
+            self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages is True)
+        # NOTE: a vision tower runs on rank 0 only, so tensor parallelism refuses vision models at start-up.
         self.vision, self.image_processor = load_vision(self.model_path, mc, config, self.dtype, self.device)
-        if config.embedding_offload:
-            offload_embedding(self.model, self.device)
-        tuning = tune_model(self.model, config, self.device, self.dtype)
         self.prepacked_bytes, self.prepack_s, self.decode_split = (tuning.prepacked_bytes, tuning.prepack_s,
                                                                    tuning.decode_split)
         self.weight_bytes = weight_bytes(self.model)
-        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype)
         self.max_model_len = self.layout.max_model_len
-        self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages is True)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
         # The deterministic prefill grid must fit in one step's budget (a derived value).
         bs = config.block_size
@@ -112,7 +111,8 @@ class EngineCore:
         if self.layout.window:
             self.runner.kv_window = KVWindowSlots(self.layout.window, self.layout.window_slots)
         # The int8 KV path has not been captured into CUDA graphs on a GPU yet: it runs eagerly.
-        if self.device.type == "cuda" and config.cuda_graphs and config.cache_bits == 16:
+        # Captured graphs would replay without the ranks' collectives: tensor-parallel steps run eagerly.
+        if self.device.type == "cuda" and config.cuda_graphs and config.cache_bits == 16 and self.parallel is None:
             from engine.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
@@ -124,7 +124,8 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         # Speculative decoding drafts from the step before's tokens, so it takes synchronous scheduling.
         self.pipelined = (config.async_scheduling if config.async_scheduling is not None
-                          else self.device.type == "cuda" and config.speculative_method is None)
+                          else self.device.type == "cuda" and config.speculative_method is None
+                          and self.parallel is None)
         # The launched step whose tokens are not collected yet (pipelined scheduling).
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
         self._last_idle_s: float | None = None  # device idle before the last collected step (CUDA)
@@ -138,6 +139,34 @@ class EngineCore:
         draft = EngineCore(draft_config(self.config, self.max_model_len))
         return DraftModelProposer(draft, self.model_config.vocab_size,
                                   self.tokenizer.vocab() if self.tokenizer is not None else None)
+
+    def _load_model(self, config: EngineConfig, mc: ModelConfig, max_positions: int):
+        """The whole model in this process (tensor_parallel_size 1), fitted to the machine."""
+        if config.cache_bits == 8:
+            backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
+                                          mc.head_dim)
+        else:
+            backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
+                                     mc.head_dim, config.block_size)
+        if config.load_format == "dummy":
+            model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
+        else:
+            model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
+                                      self.device, self.tokenizer)
+        if config.embedding_offload:
+            offload_embedding(model, self.device)
+        return model, tune_model(model, config, self.device, self.dtype)
+
+    def check_health(self) -> None:
+        """Raise EngineFailure if the engine can no longer step (a tensor-parallel rank died); hosts that sit
+        idle between steps call this so that a failure shows while no step runs."""
+        if self.parallel is not None:
+            self.parallel.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any. Idempotent; the engine cannot step afterwards."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def _capture_graphs(self) -> None:
         """Capture the decode graphs; if that fails, serve with eager decode steps rather than not at all."""
@@ -230,6 +259,7 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.check_health()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         inflight, self._inflight = self._inflight, None
@@ -273,6 +303,10 @@ class EngineCore:
         try:
             return self.runner.launch(sched, previous), None
         except Exception as exc:
+            # NOTE: with tensor parallelism a failed step leaves the ranks out of lockstep (one may wait in a
+            # collective that the others never enter): the engine fails as a whole.
+            if self.parallel is not None:
+                raise self.parallel.fail(exc) from exc
             # A failure inside the forward pass must not take the engine down:
             # fail the requests of this step and keep serving the rest.
             return None, exc

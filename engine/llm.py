@@ -26,6 +26,16 @@ class LLM:
         self.config = EngineConfig.from_options(model=model, dtype=dtype, **engine_options)
         self.engine = EngineCore(self.config)
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks (nothing to do for one process). Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -161,6 +161,15 @@ class SpeculativeSettings(Settings):
                 f"is only read with method: draft_model (method is {self.method!r})")
 
 
+class ParallelSettings(Settings):
+    """Tensor parallelism (engine/parallel/): one process per rank on torch.distributed, NCCL on CUDA and
+    gloo on the CPU. Rank 0 schedules and samples; the others run the same forward pass on their shard."""
+
+    tensor_parallel_size: PositiveInt = 1
+    # A collective that waits longer than this (a rank hung or died) fails the engine instead of waiting.
+    collective_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+
+
 class EngineOptions(Settings):
     """Engine settings that config.yaml does not expose: the offline API, tests and benchmarks set them."""
 
