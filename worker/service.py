@@ -129,6 +129,7 @@ class Worker:
         events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.engine_loop = EngineLoop(self.engine, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                                       thread=self._engine_thread)
+        self.engine_loop.on_failure = lambda exc: loop.call_soon_threadsafe(self._engine_failed, exc)
         self.engine_loop.start()
         clients = build_clients(self.config, self.worker_id, self.metrics, load_fn=self.engine_loop.load)
         self.redis, self.deltas, self.consumer, self.publisher = (clients.redis, clients.deltas, clients.consumer,
@@ -203,6 +204,11 @@ class Worker:
                   error=repr(exc) if exc else "returned")
         self.stop()
 
+    def _engine_failed(self, exc: BaseException) -> None:
+        # Nothing in flight can finish now: stop, so the uncommitted work is redelivered to another worker.
+        log.error("the engine failed; stopping the worker", error=repr(exc))
+        self.stop()
+
     async def shutdown(self) -> None:
         """Stop fetching, finish in-flight work (bounded), commit, close."""
         if not self._started:
@@ -217,7 +223,8 @@ class Worker:
             consume.cancel()
             await asyncio.gather(consume, return_exceptions=True)
         self.inflight.drain()
-        while (len(self.inflight) or self.intake.preparing) and time.monotonic() < deadline:
+        while ((len(self.inflight) or self.intake.preparing) and time.monotonic() < deadline
+               and self.engine_loop.alive):  # a dead engine finishes nothing: no reason to wait
             await asyncio.sleep(0.05)
         self.intake.cancel_prepares()
         if len(self.inflight):
@@ -242,6 +249,7 @@ class Worker:
         with contextlib.suppress(Exception):
             await self.redis.stop()
         self.engine_loop.stop()
+        self.engine.close()  # the tensor-parallel ranks, if any
         if self.http:
             self.http.stop()
         log.info("worker stopped")
