@@ -1,0 +1,132 @@
+"""Tensor parallelism on the CPU (gloo, fp32): shard plans, start-up checks, and TP=2 against TP=1."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.models.config import ModelConfig
+from engine.parallel.sharding import ShardPlan
+from engine.parallel.validation import check_devices, check_model
+from tests.conftest import write_tiny_model
+
+
+def _config(heads: int, kv_heads: int, vocab: int = 320, inter: int = 128) -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", hidden_size=64, num_layers=2, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=16, intermediate_size=inter, vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=1e4,
+                       rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=False, qkv_bias=False,
+                       qk_norm=False, sliding_window=None, bos_token_id=1, eos_token_ids=(2,))
+
+
+def test_shard_plan_splits_heads_in_order_and_keeps_each_rank_on_its_kv_head():
+    mc = _config(heads=8, kv_heads=2)
+    plans = [ShardPlan.for_rank(mc, r, 4) for r in range(4)]
+    assert [p.q_heads for p in plans] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # Two KV heads, four ranks: each KV head is replicated on two ranks, the ones whose query heads use it
+    # (query head h reads KV head h // 4).
+    assert [p.kv_heads for p in plans] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert all(p.q_heads[0] // 4 == p.kv_heads[0] and (p.q_heads[1] - 1) // 4 == p.kv_heads[0] for p in plans)
+    assert [p.intermediate for p in plans] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    local = plans[1].local_config(mc)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (2, 1, 32, 80)
+
+
+def test_shard_plan_pads_a_vocabulary_the_ranks_do_not_divide():
+    plans = [ShardPlan.for_rank(_config(4, 2, vocab=321), r, 2) for r in range(2)]
+    assert [p.vocab for p in plans] == [(0, 161), (161, 322)]  # the last row of rank 1 is padding
+    assert all(p.local_vocab == 161 and p.vocab_size == 321 for p in plans)
+
+
+@pytest.mark.parametrize(("mc", "n", "message"), [
+    (_config(heads=9, kv_heads=3), 2, "does not divide the model's 9 attention heads; use a size that does (1, 3, 9)"),
+    (_config(heads=12, kv_heads=4), 3, "and the model's 4 KV heads: one must divide the other"),
+    (_config(heads=4, kv_heads=2, inter=130), 4, "does not divide the MLP width 130"),
+])
+def test_start_up_rejects_a_size_that_does_not_split_the_model(mc, n, message):
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_model(mc, n)
+
+
+def test_start_up_accepts_kv_heads_that_divide_or_are_divisible_by_the_size():
+    check_model(_config(heads=8, kv_heads=2), 4)
+    check_model(_config(heads=8, kv_heads=8), 4)
+    check_model(_config(heads=8, kv_heads=1), 8)
+
+
+def test_start_up_rejects_more_ranks_than_visible_cuda_devices():
+    n = torch.cuda.device_count() + 1
+    with pytest.raises(ModelLoadError, match=f"needs {n} visible CUDA devices, found {n - 1}"):
+        check_devices(torch.device("cuda"), n)
+    check_devices(torch.device("cpu"), 8)  # the CPU runs any number of gloo ranks
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(async_scheduling=True), "runs steps synchronously"),
+    (dict(weight_bits=8), "quantized linears are not sharded"),
+    (dict(embedding_offload=True), "embedding_offload does not combine"),
+    (dict(device="cuda:1"), "places rank r on cuda:r"),
+])
+def test_settings_that_do_not_combine_with_tensor_parallelism_are_refused(options, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(tensor_parallel_size=2, **options)
+    EngineConfig(tensor_parallel_size=1, **options)  # each is fine on one process
+
+
+def test_smollm2_with_two_ranks_fails_at_start_up_before_spawning_any():
+    with pytest.raises(ModelLoadError, match="does not divide the model's 9 attention heads"):
+        LLM(model="smollm2", dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
+    assert not multiprocessing.active_children()
+
+
+# ---- TP=2 against TP=1, end to end through the offline API ----
+VARIANTS = {
+    # GQA (4 query heads on 2 KV heads, one per rank), untied head, a vocabulary the ranks do not divide.
+    "llama-gqa-padded-vocab": ("llama", dict(vocab_size=321), {}),
+    # qkv bias, tied embeddings, one KV head replicated on both ranks.
+    "qwen2-tied-replicated-kv": ("qwen2", dict(num_key_value_heads=1, tie=True), {}),
+    # The int8 KV cache: each rank quantizes its own heads' rows.
+    "llama-int8-kv": ("llama", {}, dict(cache_bits=8)),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    arch, shape, options = VARIANTS[request.param]
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=3, **shape), options
+
+
+def _run(path, tp: int, options: dict):
+    """Two rounds of a mixed batch: the second reuses the first's prefixes. Long prompts are prefilled in
+    chunks (a 24-token budget) and the pool (10 blocks of 8 rows) is too small for all at once: preemption."""
+    shared = list(range(40, 72))  # 4 full blocks every prompt starts with
+    prompts = [shared + [5, 6, 7], shared + list(range(100, 130)), [9, 10, 11], "hello, tensor parallel world"]
+    params = SamplingParams(max_tokens=14, temperature=0.0, logprobs=3)
+    with LLM(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=tp, num_kv_blocks=10,
+             block_size=8, max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=True,
+             **options) as llm:
+        assert len(multiprocessing.active_children()) == tp - 1
+        outs = llm.generate(prompts, params) + llm.generate(prompts[:2], params)
+        engine = llm.engine
+        return outs, engine.scheduler.num_preemptions, engine.block_manager.prefix_hits
+
+
+def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(variant):
+    path, options = variant
+    one, preempted_1, hits_1 = _run(path, 1, options)
+    two, preempted_2, hits_2 = _run(path, 2, options)
+    # The run exercises what it claims to: preemption, chunked prefill and prefix-cache hits.
+    assert preempted_1 > 0 and preempted_2 > 0
+    assert hits_1 > 0 and hits_2 > 0
+    for a, b in zip(one, two, strict=True):
+        assert a.error is None and b.error is None
+        assert a.token_ids == b.token_ids
+        assert len(a.token_ids) == 14 or a.finish_reason == "stop"
+        for (lp_a, top_a), (lp_b, top_b) in zip(a.logprobs, b.logprobs, strict=True):
+            assert lp_b == pytest.approx(lp_a, abs=2e-4)
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+    assert not multiprocessing.active_children()  # close() stopped rank 1
