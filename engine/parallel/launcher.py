@@ -120,24 +120,37 @@ class TensorParallelGroup:
             raise self.failure
 
     def fail(self, reason: str | BaseException) -> EngineFailure:
-        """Mark the group failed (first reason wins), log it once, stop the other ranks; returns the error."""
+        """Mark the group failed (first reason wins), log it once, stop the other ranks; returns the error.
+        A failed collective is most often a rank that died: the error then names that rank."""
+        if not isinstance(reason, str):
+            dead = self._dead_rank(wait_s=1.0)
+            reason = (f"{dead}; the step failed with {reason!r}" if dead
+                      else f"a tensor-parallel step failed: {reason!r}")
         with self._fail_lock:
             if self.failure is not None:
                 return self.failure
-            text = reason if isinstance(reason, str) else f"a tensor-parallel step failed: {reason!r}"
-            self.failure = EngineFailure(f"{text}; the engine cannot continue and must be restarted")
+            self.failure = EngineFailure(f"{reason}; the engine cannot continue and must be restarted")
         log.critical("%s", self.failure)
         self._stop_ranks(graceful=False)
         return self.failure
+
+    def _dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """The first rank found exited (waiting up to `wait_s` for one), in words; None if all live."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, 1)}
+        ready = connection.wait(list(sentinels), timeout=wait_s)
+        if not ready:
+            return None
+        rank = sentinels[ready[0]]
+        proc = self.procs[rank - 1]
+        proc.join(timeout=1.0)  # the exit code is set once it is reaped
+        return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, 1)}
         ready = connection.wait([*sentinels, self._wake_r])
         if self._closed or self._wake_r in ready:
             return
-        rank = sentinels[ready[0]]
-        proc = self.procs[rank - 1]
-        self.fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+        self.fail(self._dead_rank() or "a tensor-parallel rank exited")
 
     # ---- the end -------------------------------------------------------
     def shutdown(self) -> None:
@@ -154,6 +167,8 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
     def _stop_ranks(self, graceful: bool = True) -> None:
+        """graceful: a stop command first; otherwise (a failed group) SIGKILL at once, since a rank may be
+        stopped or stuck in a collective where SIGTERM would wait."""
         if graceful:
             for conn in self.conns:
                 with contextlib.suppress(OSError):
@@ -162,7 +177,7 @@ class TensorParallelGroup:
                 proc.join(timeout=STOP_GRACE_S)
         for proc in self.procs:
             if proc.is_alive():
-                proc.terminate()
+                proc.terminate() if graceful else proc.kill()
         for proc in self.procs:
             proc.join(timeout=STOP_GRACE_S)
             if proc.is_alive():

@@ -104,7 +104,7 @@ def _run(path, tp: int, options: dict):
     """Two rounds of a mixed batch: the second reuses the first's prefixes. Long prompts are prefilled in
     chunks (a 24-token budget) and the pool (10 blocks of 8 rows) is too small for all at once: preemption."""
     shared = list(range(40, 72))  # 4 full blocks every prompt starts with
-    prompts = [shared + [5, 6, 7], shared + list(range(100, 130)), [9, 10, 11], "hello, tensor parallel world"]
+    prompts = [[*shared, 5, 6, 7], shared + list(range(100, 130)), [9, 10, 11], "hello, tensor parallel world"]
     params = SamplingParams(max_tokens=14, temperature=0.0, logprobs=3)
     with LLM(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=tp, num_kv_blocks=10,
              block_size=8, max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=True,
