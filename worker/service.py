@@ -106,6 +106,7 @@ class Worker:
         self.http: HealthServer | None = None
         self._tasks: list[asyncio.Task] = []
         self.stuck_tasks: list[str] = []  # set by shutdown(): tasks that would not stop
+        self.engine_failure: BaseException | None = None  # why the engine died under the worker, if it did
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
@@ -207,6 +208,7 @@ class Worker:
     def _engine_failed(self, exc: BaseException) -> None:
         # Nothing in flight can finish now: stop, so the uncommitted work is redelivered to another worker.
         log.error("the engine failed; stopping the worker", error=repr(exc))
+        self.engine_failure = exc
         self.stop()
 
     async def shutdown(self) -> None:
