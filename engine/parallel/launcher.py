@@ -45,7 +45,7 @@ class TensorParallelGroup:
     def __init__(self, config: EngineConfig, model_path, mc: ModelConfig, device: torch.device,
                  dtype: torch.dtype, max_positions: int) -> None:
         n = config.tensor_parallel_size
-        check_model(mc, n)
+        check_model(mc, n, config.weight_bits)
         check_devices(device, n)
         if dist.is_initialized():
             raise ModelLoadError("a tensor-parallel engine is already running in this process; close it first")

@@ -22,6 +22,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.models.linear import invariant_enabled
 from engine.models.llama import Embedding, LlamaForCausalLM
 from engine.parallel.sharding import ShardPlan
+from engine.quant.modules import QuantizedEmbedding
 
 
 class Leader(Protocol):
@@ -30,16 +31,30 @@ class Leader(Protocol):
     def send(self, message: tuple) -> None: ...
 
 
+def _vocab_parallel_lookup(lookup, input_ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Rows of the whole vocabulary from a table holding rows [start, start + count): others look up zeros,
+    and the all-reduce adds each row from the one rank that holds it."""
+    local = input_ids - start
+    outside = (local < 0) | (local >= count)
+    rows = lookup(local.masked_fill(outside, 0))
+    rows.masked_fill_(outside.unsqueeze(-1), 0.0)
+    dist.all_reduce(rows)
+    return rows
+
+
 class VocabParallelEmbedding(Embedding):
     vocab_start: int = 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_embeddings)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        rows.masked_fill_(outside.unsqueeze(-1), 0.0)
-        dist.all_reduce(rows)
-        return rows
+        return _vocab_parallel_lookup(lambda ids: F.embedding(ids, self.weight), input_ids, self.vocab_start,
+                                      self.num_embeddings)
+
+
+class VocabParallelQuantizedEmbedding(QuantizedEmbedding):
+    vocab_start: int = 0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return _vocab_parallel_lookup(super().forward, input_ids, self.vocab_start, self.num_embeddings)
 
 
 def _all_reduce_output(module, inputs, output: torch.Tensor) -> None:
@@ -59,7 +74,8 @@ class TensorParallelLlama(LlamaForCausalLM):
     def finish_sharding(self, plan: ShardPlan) -> None:
         """Turn the modules built at the rank's shape into their parallel forms; call after loading."""
         self.plan = plan
-        self.embed_tokens.__class__ = VocabParallelEmbedding
+        quantized = isinstance(self.embed_tokens, QuantizedEmbedding)
+        self.embed_tokens.__class__ = VocabParallelQuantizedEmbedding if quantized else VocabParallelEmbedding
         self.embed_tokens.vocab_start = plan.vocab[0]
         self.install_row_parallel_hooks()
 

@@ -1,5 +1,7 @@
-"""Load one rank's shard of a Hugging Face checkpoint: each tensor's slice is read from the file with
-safetensors' get_slice, so no rank ever holds the whole model."""
+"""Load one rank's shard of a checkpoint: each tensor's slice is read from the file with safetensors'
+get_slice, so no rank ever holds the whole model. Two layouts: a Hugging Face folder (separate q, k, v,
+gate and up tensors) and a quantized folder written by `infinilm quantize` (our fused names, int8 or int4
+codes with their scales: engine/quant/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from engine.models.config import ModelConfig
 from engine.models.loader import _IGNORED, _assign, _map_name, safetensors_files
 from engine.parallel.layers import TensorParallelLlama
 from engine.parallel.sharding import ShardPlan
+from engine.quant.convert import convert_for_runtime, quantized_buffer_names
 
 # our suffix -> how the checkpoint tensor is split: "rows" (column-parallel outputs), "cols" (row-parallel
 # inputs), "vocab" (embedding and LM head rows); anything else (norms) is replicated.
@@ -40,7 +43,9 @@ def load_shard(folder: Path | None, cfg: ModelConfig, plan: ShardPlan, backend: 
                seed: int | None = None) -> TensorParallelLlama:
     """The rank's shard from `folder`; with `seed` instead, random weights (load_format dummy)."""
     model = empty_shard(cfg, plan, backend, max_positions, dtype, device)
-    if seed is not None:
+    if cfg.quantization:
+        _read_quantized(Path(folder), model, cfg, plan, dtype, device)
+    elif seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed * 1000 + plan.rank)
         for name, param in list(model.named_parameters()):
             value = torch.empty(param.shape, dtype=dtype, device=device)
@@ -122,3 +127,55 @@ def _vocab_rows(piece, plan: ShardPlan, shape) -> torch.Tensor:
     padded = torch.zeros(shape, dtype=rows.dtype)
     padded[:rows.shape[0]] = rows
     return padded
+
+
+def _read_quantized(folder: Path, model: TensorParallelLlama, cfg: ModelConfig, plan: ShardPlan,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """A quantized folder's tensors, each cut to the rank's rows (qkv, gate_up, vocabulary) or inputs
+    (o, down: int8 codes by column, int4 codes two columns a byte and their group scales by group)."""
+    qconfig = cfg.quantization
+    with torch.device("meta"):
+        convert_for_runtime(model, qconfig, dtype)
+    model.requires_grad_(False)
+    keep = quantized_buffer_names(qconfig)
+    h, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    (q0, q1), (k0, k1), (i0, i1) = plan.q_rows, plan.kv_rows, plan.intermediate
+    rows = {  # module suffix -> its rows of the full fused tensor
+        "self_attn.qkv_proj": [(q0, q1), (h + k0, h + k1), (h + d + k0, h + d + k1)],
+        "mlp.gate_up_proj": [(i0, i1), (cfg.intermediate_size + i0, cfg.intermediate_size + i1)],
+    }
+    inputs = {"self_attn.o_proj": (q0, q1), "mlp.down_proj": (i0, i1)}
+    state: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                module, _, kind = name.rpartition(".")
+                piece = f.get_slice(name)
+                if (key := next((k for k in rows if module.endswith(k)), None)) is not None:
+                    tensor = torch.cat([piece[a:b] for a, b in rows[key]])
+                elif (key := next((k for k in inputs if module.endswith(k)), None)) is not None:
+                    tensor = _input_slice(piece, kind, inputs[key], qconfig["modules"].get(module))
+                elif module in ("embed_tokens", "embed_tokens.table", "lm_head"):
+                    tensor = _vocab_rows(piece, plan, (plan.local_vocab, *piece.get_shape()[1:]))
+                else:
+                    tensor = piece[:]
+                state[name] = (tensor if name in keep else tensor.to(dtype)).to(device)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"rank {plan.rank}'s shard of the quantized checkpoint does not fit: {exc}") from None
+
+
+def _input_slice(piece, kind: str, span: tuple[int, int], record: dict | None) -> torch.Tensor:
+    """A row-parallel module's share of its inputs; an int8 per-row scale is the same on every rank."""
+    start, end = span
+    if kind == "weight":
+        return piece[:, start:end]
+    if record is None or kind == "bias":
+        return piece[:]
+    if record["bits"] == 8:
+        return piece[:, start:end] if kind == "qweight" else piece[:]
+    if kind == "qweight":  # int4: two codes a byte, along the inputs
+        return piece[:, start // 2:end // 2]
+    group = record["group_size"]
+    return piece[:, start // group:end // group]  # scales and offsets, one per group of inputs

@@ -52,6 +52,20 @@ def test_start_up_rejects_a_size_that_does_not_split_the_model(mc, n, message):
         check_model(mc, n)
 
 
+def test_start_up_refuses_load_time_quantization_and_int4_groups_split_across_ranks():
+    with pytest.raises(ModelLoadError, match="quantize it once with `infinilm quantize`"):
+        check_model(_config(heads=4, kv_heads=2), 2, weight_bits=8)
+    import dataclasses
+
+    qconfig = {"bits": 4, "modules": {"layers.0.mlp.down_proj": {"bits": 4, "group_size": 64}}}
+    quantized = dataclasses.replace(_config(heads=4, kv_heads=2, inter=128), quantization=qconfig)
+    check_model(quantized, 2)  # 64 inputs a rank: one whole group
+    with pytest.raises(ModelLoadError, match="not whole int4 groups of 64"):
+        check_model(quantized, 4)
+    with pytest.raises(ModelLoadError, match="holds 4-bit weights but weight_bits is 8"):
+        check_model(quantized, 2, weight_bits=8)
+
+
 def test_start_up_accepts_kv_heads_that_divide_or_are_divisible_by_the_size():
     check_model(_config(heads=8, kv_heads=2), 4)
     check_model(_config(heads=8, kv_heads=8), 4)
@@ -67,7 +81,6 @@ def test_start_up_rejects_more_ranks_than_visible_cuda_devices():
 
 @pytest.mark.parametrize(("options", "message"), [
     (dict(async_scheduling=True), "runs steps synchronously"),
-    (dict(weight_bits=8), "quantized linears are not sharded"),
     (dict(embedding_offload=True), "embedding_offload does not combine"),
     (dict(device="cuda:1"), "places rank r on cuda:r"),
 ])
@@ -94,10 +107,28 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+QUANTIZED = {
+    # int8 codes with per-row scales: o and down keep every scale, their codes are cut by column.
+    "int8-untied": ("llama", dict(), 8),
+    # int4 in groups of 32 inputs (each rank's o and down inputs are whole groups), a tied quantized table.
+    "int4-tied": ("qwen2", dict(tie=True), 4),
+}
+
+
+@pytest.fixture(scope="module", params=[*VARIANTS, *QUANTIZED])
 def variant(request, tmp_path_factory):
-    arch, shape, options = VARIANTS[request.param]
-    return write_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=3, **shape), options
+    if request.param in VARIANTS:
+        arch, shape, options = VARIANTS[request.param]
+        return write_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=3, **shape), options, "Linear"
+    from engine.quant.checkpoint import save_quantized
+    from engine.quant.convert import QuantSpec
+    from engine.quant.loading import quantize_pretrained
+
+    arch, shape, bits = QUANTIZED[request.param]
+    source = write_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=3, **shape)
+    state, qconfig = quantize_pretrained(source, ModelConfig.from_folder(source), QuantSpec(bits, 32, False), None)
+    return save_quantized(source, tmp_path_factory.mktemp(f"{request.param}-quantized"), state, qconfig,
+                          overwrite=True), {}, f"Int{bits}Linear"
 
 
 def _run(path, tp: int, options: dict):
@@ -112,13 +143,15 @@ def _run(path, tp: int, options: dict):
         assert len(multiprocessing.active_children()) == tp - 1
         outs = llm.generate(prompts, params) + llm.generate(prompts[:2], params)
         engine = llm.engine
-        return outs, engine.scheduler.num_preemptions, engine.block_manager.prefix_hits
+        down = type(engine.model.layers[0].mlp.down_proj).__name__
+        return outs, engine.scheduler.num_preemptions, engine.block_manager.prefix_hits, down
 
 
 def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(variant):
-    path, options = variant
-    one, preempted_1, hits_1 = _run(path, 1, options)
-    two, preempted_2, hits_2 = _run(path, 2, options)
+    path, options, linear = variant
+    one, preempted_1, hits_1, down_1 = _run(path, 1, options)
+    two, preempted_2, hits_2, down_2 = _run(path, 2, options)
+    assert down_1 == down_2 == linear  # quantized checkpoints run their quantized modules on every rank
     # The run exercises what it claims to: preemption, chunked prefill and prefix-cache hits.
     assert preempted_1 > 0 and preempted_2 > 0
     assert hits_1 > 0 and hits_2 > 0
