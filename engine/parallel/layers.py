@@ -97,7 +97,7 @@ class TensorParallelLlama(LlamaForCausalLM):
         """Logits over the whole vocabulary for `hidden`'s rows. On the other ranks `hidden` is a buffer of
         the right shape that rank 0's rows are broadcast into."""
         if self.leader is not None:
-            self.leader.send(("logits", hidden.shape[0]))
+            self.leader.send(("logits", hidden.shape[0], invariant_enabled()))
             hidden = hidden.contiguous()
         dist.broadcast(hidden, src=0)
         local = super().compute_logits(hidden).contiguous()

@@ -182,7 +182,9 @@ def serve(spec: RankSpec, state: RankState, rank: int, conn) -> None:
                 with batch_invariant(invariant):
                     model(input_ids, positions, state.kv_caches, meta)
             elif kind == "logits":
-                model.compute_logits(torch.empty(message[1], hidden, dtype=spec.dtype, device=device))
+                _, rows, invariant = message
+                with batch_invariant(invariant):
+                    model.compute_logits(torch.empty(rows, hidden, dtype=spec.dtype, device=device))
             elif kind == "stop":
                 return
             else:

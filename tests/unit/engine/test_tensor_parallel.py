@@ -163,3 +163,36 @@ def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(variant):
             assert lp_b == pytest.approx(lp_a, abs=2e-4)
             assert [t for t, _ in top_a] == [t for t, _ in top_b]
     assert not multiprocessing.active_children()  # close() stopped rank 1
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tp-tiny"), "llama", seed=4)
+
+
+def test_speculative_drafts_verify_on_two_ranks_as_on_one(tiny_path):
+    # A prompt that repeats itself, so prompt-lookup drafts are proposed (and some accepted).
+    prompt = [7, 8, 9, 10, 11, 12] * 6
+    params = SamplingParams(max_tokens=24, temperature=0.0, speculative=True)  # drafts take no logprobs
+    runs = []
+    for tp in (1, 2):
+        with LLM(model=str(tiny_path), dtype="float32", device="cpu", tensor_parallel_size=tp, num_kv_blocks=32,
+                 speculative_method="prompt_lookup", num_speculative_tokens=3, prompt_lookup_min=1) as llm:
+            (out,) = llm.generate([prompt], params)
+            runs.append((out, llm.engine.scheduler.num_draft_tokens))
+    (one, drafted_1), (two, drafted_2) = runs
+    assert drafted_1 > 0 and drafted_2 > 0
+    assert one.token_ids == two.token_ids and len(one.token_ids) == 24
+
+
+def test_a_deterministic_request_gives_the_same_bits_alone_and_in_a_batch_on_two_ranks(tiny_path):
+    # Every rank must run the batch-invariant kernels for such a step, not only rank 0.
+    prompt = list(range(20, 60))
+    det = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, deterministic=True)
+    others = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(5)]
+    with LLM(model=str(tiny_path), dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=64,
+             enable_prefix_caching=False) as llm:
+        (alone,) = llm.generate([prompt], det)
+        batched = llm.generate([*others, prompt], [SamplingParams(max_tokens=10)] * 5 + [det])[-1]
+    assert alone.token_ids == batched.token_ids
+    assert [lp for lp, _ in alone.logprobs] == [lp for lp, _ in batched.logprobs]  # bitwise
