@@ -72,7 +72,7 @@ class TensorParallelGroup:
             self._await_all("loaded")
             allocate_cache(self.spec, self.state, 0)
         except BaseException:
-            self._stop_ranks()
+            self._stop_ranks(graceful=False)  # they may be waiting in a rendezvous or collective, not reading
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
