@@ -93,8 +93,11 @@ class TensorParallelGroup:
                 if ready in sentinels:
                     rank = sentinels[ready]
                     if self.conns[rank - 1] in waiting and not self.conns[rank - 1].poll():
-                        raise ModelLoadError(f"tensor-parallel rank {rank} exited while starting "
-                                             f"(exit code {self.procs[rank - 1].exitcode})")
+                        self.procs[rank - 1].join(timeout=1.0)
+                        raise ModelLoadError(
+                            f"tensor-parallel rank {rank} exited while starting (exit code "
+                            f"{self.procs[rank - 1].exitcode}; its log is above). Ranks are spawned and import "
+                            "the main module: a script must start the engine under `if __name__ == \"__main__\":`")
                     continue
                 kind, detail = ready.recv()
                 if kind == "error":

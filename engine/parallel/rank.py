@@ -162,7 +162,7 @@ def follower_main(rank: int, spec: RankSpec, conn) -> None:
         log.error("tensor-parallel rank %d: rank 0 is gone (its pipe closed); exiting", rank)
         sys.exit(1)
     except Exception as exc:
-        log.error("tensor-parallel rank %d failed in a step and exits: %r", rank, exc)
+        log.error("tensor-parallel rank %d failed and exits: %r", rank, exc)
         sys.exit(1)
     dist.destroy_process_group()
 
