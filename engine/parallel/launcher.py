@@ -86,25 +86,24 @@ class TensorParallelGroup:
 
     def _await_all(self, stage: str) -> None:
         """Wait until every rank reports `stage`, or fail at once with the reason of one that could not."""
-        waiting = dict(zip(self.conns, range(1, len(self.conns) + 1), strict=True))
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, 1)}
+        waiting = {conn: rank for rank, conn in enumerate(self.conns, 1)}
         while waiting:
-            for ready in connection.wait([*waiting, *sentinels]):
-                if ready in sentinels:
-                    rank = sentinels[ready]
-                    if self.conns[rank - 1] in waiting and not self.conns[rank - 1].poll():
-                        self.procs[rank - 1].join(timeout=1.0)
-                        raise ModelLoadError(
-                            f"tensor-parallel rank {rank} exited while starting (exit code "
-                            f"{self.procs[rank - 1].exitcode}; its log is above). Ranks are spawned and import "
-                            "the main module: a script must start the engine under `if __name__ == \"__main__\":`")
-                    continue
-                kind, detail = ready.recv()
+            for conn in connection.wait(list(waiting)):  # a rank that exits closes its end: readable too
+                rank = waiting[conn]
+                try:
+                    kind, detail = conn.recv()
+                except EOFError:
+                    self.procs[rank - 1].join(timeout=1.0)
+                    raise ModelLoadError(
+                        f"tensor-parallel rank {rank} exited while starting (exit code "
+                        f"{self.procs[rank - 1].exitcode}; its log is above). Ranks are spawned and import the "
+                        "main module: a script must start the engine under `if __name__ == \"__main__\":`"
+                    ) from None
                 if kind == "error":
                     raise ModelLoadError(detail)
                 if kind != stage:
-                    raise ModelLoadError(f"tensor-parallel rank {waiting[ready]} sent {kind!r}, expected {stage!r}")
-                del waiting[ready]
+                    raise ModelLoadError(f"tensor-parallel rank {rank} sent {kind!r}, expected {stage!r}")
+                del waiting[conn]
 
     # ---- rank 0 at work ------------------------------------------------
     def send(self, message: tuple) -> None:

@@ -143,3 +143,34 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_a_checkpoint_that_fails_to_load_fails_start_up_and_leaves_no_rank(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.errors import ModelLoadError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny, broken)
+    weights = next(broken.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"lacks weights for: layers\.1\.mlp\.down_proj\.weight"):
+        _engine(broken)
+    assert time.monotonic() - started < 30
+    assert not multiprocessing.active_children()
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_rank_died(tiny, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from engine import LLM\n"
+                      f"LLM(model={str(tiny)!r}, dtype='float32', device='cpu', tensor_parallel_size=2)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode != 0
+    assert "tensor-parallel rank 1 exited while starting" in run.stderr
+    assert "if __name__ == \"__main__\":" in run.stderr
