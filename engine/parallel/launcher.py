@@ -110,11 +110,11 @@ class TensorParallelGroup:
         """Hand every other rank its next command (called by the model on rank 0: layers.Leader)."""
         self.check()
         payload = encode(message)
-        for rank, conn in enumerate(self.conns, 1):
+        for conn in self.conns:
             try:
                 conn.send_bytes(payload)
-            except OSError as exc:
-                raise self.fail(f"tensor-parallel rank {rank} no longer takes commands ({exc!r})") from exc
+            except OSError as exc:  # its end of the pipe is closed: it has exited, or is about to
+                raise self.fail(exc) from exc
 
     def check(self) -> None:
         """Raise the group's failure, if a rank has died."""
