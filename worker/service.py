@@ -251,7 +251,8 @@ class Worker:
         with contextlib.suppress(Exception):
             await self.redis.stop()
         self.engine_loop.stop()
-        self.engine.close()  # the tensor-parallel ranks, if any
+        if not self.engine_loop.alive:  # never under a step that is still running
+            self.engine.close()  # the tensor-parallel ranks, if any
         if self.http:
             self.http.stop()
         log.info("worker stopped")
