@@ -103,6 +103,8 @@ VARIANTS = {
     "llama-gqa-padded-vocab": ("llama", dict(vocab_size=321), {}),
     # qkv bias, tied embeddings, one KV head replicated on both ranks.
     "qwen2-tied-replicated-kv": ("qwen2", dict(num_key_value_heads=1, tie=True), {}),
+    # Per-head q/k RMSNorm (replicated: it acts within a head).
+    "qwen3-qk-norm": ("qwen3", {}, {}),
     # The int8 KV cache: each rank quantizes its own heads' rows.
     "llama-int8-kv": ("llama", {}, dict(cache_bits=8)),
 }
