@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from multiprocessing import connection
 
@@ -131,10 +132,11 @@ class TensorParallelGroup:
         with self._fail_lock:
             if self.failure is not None:
                 return self.failure
-            self.failure = EngineFailure(f"{reason}; the engine cannot continue and must be restarted")
-        log.critical("%s", self.failure)
+            failure = EngineFailure(f"{reason}; the engine cannot continue and must be restarted")
+            log.critical("%s", failure)  # before check() can raise it on another thread
+            self.failure = failure
         self._stop_ranks(graceful=False)
-        return self.failure
+        return failure
 
     def _dead_rank(self, wait_s: float = 0.0) -> str | None:
         """The first rank found exited (waiting up to `wait_s` for one), in words; None if all live."""
@@ -144,7 +146,11 @@ class TensorParallelGroup:
             return None
         rank = sentinels[ready[0]]
         proc = self.procs[rank - 1]
-        proc.join(timeout=1.0)  # the exit code is set once it is reaped
+        # NOTE: the watcher and the engine thread may both look: the one that reaps the process sets its
+        # exit code a moment later, and the other reads None until then.
+        deadline = time.monotonic() + 1.0
+        while proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
     def _watch(self) -> None:

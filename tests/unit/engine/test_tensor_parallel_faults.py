@@ -29,9 +29,21 @@ def tiny(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tp-faults"), "llama", seed=5)
 
 
-def _engine(path: Path, timeout_s: float = 60.0) -> LLM:
-    return LLM(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=32,
-               block_size=16, collective_timeout_s=timeout_s)
+@pytest.fixture
+def started():
+    """Every engine a test starts is closed after it, whatever the test's outcome: one group per process."""
+    engines: list[LLM] = []
+    yield engines
+    for llm in engines:
+        llm.close()
+
+
+def _engine(path: Path, timeout_s: float = 60.0, started: list | None = None) -> LLM:
+    llm = LLM(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=32,
+              block_size=16, collective_timeout_s=timeout_s)
+    if started is not None:
+        started.append(llm)
+    return llm
 
 
 def _rank1() -> multiprocessing.Process:
@@ -55,8 +67,8 @@ def _step_until_failure(llm: LLM, hurt, after_steps: int = 3) -> tuple[EngineFai
     raise AssertionError("the engine kept stepping with rank 1 gone")
 
 
-def test_a_rank_killed_mid_run_fails_the_engine_promptly_and_names_it(tiny, caplog):
-    llm = _engine(tiny)
+def test_a_rank_killed_mid_run_fails_the_engine_promptly_and_names_it(tiny, caplog, started):
+    llm = _engine(tiny, started=started)
     rank1 = _rank1()
     exc, took = _step_until_failure(llm, lambda: os.kill(rank1.pid, signal.SIGKILL))
     assert took < PROMPT_S
@@ -69,8 +81,8 @@ def test_a_rank_killed_mid_run_fails_the_engine_promptly_and_names_it(tiny, capl
     assert not multiprocessing.active_children()
 
 
-def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(tiny):
-    llm = _engine(tiny, timeout_s=2.0)
+def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(tiny, started):
+    llm = _engine(tiny, timeout_s=2.0, started=started)
     rank1 = _rank1()
     exc, took = _step_until_failure(llm, lambda: os.kill(rank1.pid, signal.SIGSTOP))
     assert 1.5 < took < 2.0 + PROMPT_S, took
@@ -79,8 +91,8 @@ def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(tiny):
     assert not multiprocessing.active_children()  # the stopped rank was killed, not left behind
 
 
-def test_a_rank_dying_while_the_engine_is_idle_shows_without_a_step(tiny):
-    llm = _engine(tiny)
+def test_a_rank_dying_while_the_engine_is_idle_shows_without_a_step(tiny, started):
+    llm = _engine(tiny, started=started)
     rank1 = _rank1()
     llm.engine.check_health()
     os.kill(rank1.pid, signal.SIGKILL)
@@ -96,8 +108,8 @@ def test_a_rank_dying_while_the_engine_is_idle_shows_without_a_step(tiny):
     llm.close()
 
 
-def test_the_worker_engine_loop_dies_and_reports_when_a_rank_dies(tiny):
-    llm = _engine(tiny)
+def test_the_worker_engine_loop_dies_and_reports_when_a_rank_dies(tiny, started):
+    llm = _engine(tiny, started=started)
     rank1 = _rank1()
     reported: list[BaseException] = []
     loop = EngineLoop(llm.engine, deliver=lambda event: None, idle_wait_s=0.01, thread=EngineThread())
@@ -158,10 +170,10 @@ def test_a_checkpoint_that_fails_to_load_fails_start_up_and_leaves_no_rank(tiny,
     tensors = load_file(str(weights))
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    started = time.monotonic()
+    t0 = time.monotonic()
     with pytest.raises(ModelLoadError, match=r"lacks weights for: layers\.1\.mlp\.down_proj\.weight"):
         _engine(broken)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - t0 < 30
     assert not multiprocessing.active_children()
 
 
