@@ -88,7 +88,9 @@ class TensorParallelLlama(LlamaForCausalLM):
                     module._tp_hooked = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if embeds is not None:  # image features: vision models are refused at start-up (validation.py)
+            raise RuntimeError("a tensor-parallel model takes token ids, not embeddings")
         if self.leader is not None:
             self.leader.send(("forward", input_ids, positions, meta, invariant_enabled()))
         return super().forward(input_ids, positions, kv_caches, meta)

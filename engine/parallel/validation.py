@@ -27,6 +27,10 @@ def check_model(mc: ModelConfig, n: int, weight_bits: int = 16) -> None:
     """`n` must divide the attention heads and the MLP width, and the KV heads must divide `n` or be
     divisible by it (fewer KV heads than ranks: each is replicated on n / num_kv_heads ranks). Quantized
     weights come from a quantized checkpoint, whose int4 groups must not straddle two ranks."""
+    if mc.vision is not None:
+        # The vision tower would run on rank 0 alone, and its features enter the prefill past the
+        # vocabulary-parallel embedding that every rank must run.
+        raise ModelLoadError(f"vision-language models do not run with tensor_parallel_size {n} yet; use 1")
     if weight_bits != 16 and not mc.quantization:
         # Load-time quantization calibrates the whole model in one process, which is what TP avoids.
         raise ModelLoadError(f"weight_bits {weight_bits} with tensor_parallel_size {n} quantizes the whole model "

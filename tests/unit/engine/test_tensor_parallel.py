@@ -97,6 +97,15 @@ def test_smollm2_with_two_ranks_fails_at_start_up_before_spawning_any():
     assert not multiprocessing.active_children()
 
 
+def test_a_vision_language_model_with_two_ranks_fails_at_start_up(tmp_path):
+    from tests.vision_models import write_tiny_llava
+
+    path = write_tiny_llava(tmp_path / "llava", seed=1)
+    with pytest.raises(ModelLoadError, match="vision-language models do not run with tensor_parallel_size 2"):
+        LLM(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=16)
+    assert not multiprocessing.active_children()
+
+
 # ---- TP=2 against TP=1, end to end through the offline API ----
 VARIANTS = {
     # GQA (4 query heads on 2 KV heads, one per rank), untied head, a vocabulary the ranks do not divide.
