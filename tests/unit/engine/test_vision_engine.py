@@ -205,6 +205,6 @@ def test_deterministic_steps_encode_each_image_alone_so_its_features_never_depen
     others = [picture("noise", seed=s) for s in range(5)]
     alone = target_rows([], False)
     assert torch.equal(target_rows(others, True), alone)
-    # The control: batched with five other images, the same image's features move in the last bits.
-    assert not torch.equal(target_rows(others, False), alone)
+    # Batched with five other images the features agree only to rounding; whether the last bits move depends
+    # on the GEMM's blocking for the batch and the thread count, so that is not asserted.
     torch.testing.assert_close(target_rows(others, False), alone)
