@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,12 @@ def arrivals(rate: float, n: int, seed: int) -> list[float]:
         t += rng.expovariate(rate)
         out.append(t)
     return out
+
+
+def step_of(tag: str) -> str:
+    """The step part of a workload tag ('dynamic_bucket-1.5' -> '1.5', 'hf-overload' -> 'overload'): what
+    decides the prompts, so every system at one step is fed the same ones."""
+    return tag.rsplit("-", 1)[-1]
 
 
 def goodput(steps: list[Step], ok) -> float:
@@ -354,7 +361,11 @@ def main() -> None:
 
     def make_workload(rate: float, tag: str) -> tuple[list[dict], list[float]]:
         n = 4 if args.quick else max(8, round(rate * args.duration))
-        workload = build_workload(tokenizer, n, args.seed, prompt_range, output_range)
+        # Fresh text per step: one worker serves the whole ladder, and prompts repeated from an earlier step
+        # would hit its prefix cache while the ceiling's engine (new per step) starts cold. Systems at the
+        # same step still get the same prompts.
+        text_seed = zlib.crc32(f"{args.seed}:{step_of(tag)}".encode())
+        workload = build_workload(tokenizer, n, text_seed, prompt_range, output_range)
         for i, r in enumerate(workload):
             r["id"] = f"slo-{tag}-{i}"
         return workload, arrivals(rate, n, args.seed)

@@ -5,9 +5,9 @@
 
 Three workloads, one request at a time (a single stream, as an ASR stream's chunks arrive):
 - ASR post-correction: a recogniser's chunk (cased and punctuated, with a few misheard words) and an
-  instruction to correct it; the correction mostly copies the chunk. SmolLM2-135M does not follow the ASR
-  handler's own template (worker/handlers/asr.py) this way: it answers "Here's the transcript ..." and stops
-  at the newline; that template is the second row, with the handler's sampling parameters.
+  instruction to correct it; the correction mostly copies the chunk. The second row is the same chunks in
+  the ASR handler's own prompt (worker/handlers/asr.py: the transcript so far, then the instruction and the
+  chunk) with the handler's sampling parameters (stop at a newline).
 - document quoting: a chat that asks to quote a passage of a document given in the prompt.
 - plain chat: open questions, where drafts rarely hit.
 Two engines in one process, the same but for `speculative_method` (prompt_lookup, k = 4, n 4..2); for each
@@ -30,7 +30,7 @@ import torch
 
 from bench.report import PERF, markdown_table, print_table, publish_table, run_info, write_json
 from engine import LLM, SamplingParams
-from worker.handlers.asr import CHUNK_MARK, INSTRUCTION
+from worker.handlers.asr import CHUNK_MARK, prompt_messages
 
 # A meeting as a recogniser with casing and punctuation would write it, with a few words misheard.
 ASR_CHUNKS = [
@@ -91,9 +91,7 @@ def asr_handler_requests(tok, n: int) -> list[tuple[list[int], SamplingParams]]:
     out = []
     for i, chunk in enumerate(ASR_CHUNKS[:n]):
         committed = " ".join(ASR_CHUNKS[max(0, i - 2):i])
-        messages = [{"role": "system", "content": INSTRUCTION},
-                    {"role": "user", "content": f"Transcript so far: {committed}\nNew chunk: {CHUNK_MARK}"}]
-        head, _, tail = tok.apply_chat_template(messages).partition(CHUNK_MARK)
+        head, _, tail = tok.apply_chat_template(prompt_messages(committed, CHUNK_MARK)).partition(CHUNK_MARK)
         ids = [*tok.encode(head, add_special_tokens=False), *tok.encode(chunk, add_special_tokens=False),
                *tok.encode(tail, add_special_tokens=False)]
         chunk_tokens = len(tok.encode(chunk, add_special_tokens=False))

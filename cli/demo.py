@@ -1,7 +1,8 @@
 """`infinilm demo`: the whole path on this machine, with real requests.
 
 Brings up Kafka and Redis, prepares the SmolLM2 demo model, starts a worker in
-this process, sends chat requests (JSON and msgpack, one streamed), plus bad
+this process, sends chat requests (JSON and msgpack, one streamed, one with a
+picture it draws), plus bad
 input to show it is answered rather than dropped, and prints the committed
 results and a metrics summary.
 """
@@ -51,7 +52,7 @@ async def _demo(cfg, keep_stack: bool) -> None:
     import msgspec
 
     from engine.model_registry import resolve_model
-    from schemas import AsrRequest, ChatRequest, Message, RiskItem, RiskRequest
+    from schemas import AsrRequest, ChatRequest, ImagePart, Message, RiskItem, RiskRequest, TextPart
     from worker.client import RequestProducer, TopicReader, collect_results, start_group_at_end
     from worker.service import Worker
     from worker.structured_logging import configure_logging
@@ -96,9 +97,11 @@ async def _demo(cfg, keep_stack: bool) -> None:
     risk = RiskRequest(id=f"demo-{run_id}-risk", labels=["low", "medium", "high"], items=[
         RiskItem(id="tx1", text="Wire of $9,900 to a new overseas account, the third one today."),
         RiskItem(id="tx2", text="Monthly rent payment to the usual landlord.")])
+    image_req = ChatRequest(id=f"demo-{run_id}-image", max_tokens=32, temperature=0.0, messages=[Message(
+        role="user", content=[TextPart(text="What is in this picture?"), ImagePart(image=_drawn_picture())])])
     bad_id = f"demo-{run_id}-too-long"
     too_long = ChatRequest(id=bad_id, messages=[Message(role="user", content="word " * 9000)], max_tokens=16)
-    everything = [*requests, ruled, *chunks, risk, too_long]
+    everything = [*requests, ruled, image_req, *chunks, risk, too_long]
     kwargs = {"bootstrap_servers": cfg.kafka.bootstrap_servers}
     started = time.perf_counter()
     async with TopicReader(topic=cfg.topics.results, **kwargs) as results, \
@@ -107,6 +110,7 @@ async def _demo(cfg, keep_stack: bool) -> None:
             for (fmt, _), req in zip(questions, requests, strict=True):
                 await producer.send(cfg.topics.chat, req, fmt)
             await producer.send(cfg.topics.chat, ruled, "json")
+            await producer.send(cfg.topics.chat, image_req, "msgpack")  # the PNG travels as raw msgpack bytes
             for chunk in chunks:
                 await producer.send(cfg.topics.asr, chunk, "json")
             await producer.send(cfg.topics.risk, risk, "msgpack")
@@ -132,6 +136,9 @@ async def _demo(cfg, keep_stack: bool) -> None:
                       f"{res.timing.ttft_ms:.0f}", f"{res.timing.total_ms:.0f}")
     console.print(table)
     console.print(f"dead-letter records for undecodable input: {len(dead)}")
+    if worker.engine.model_config.vision is None:
+        console.print("The image request asks a text-only model, so it is refused with invalid_request; set "
+                      "model.name to a LLaVA folder (README, Images) to have it answered.")
     _print_metrics(worker)
     console.print(f"all answered in {elapsed:.1f}s")
     await worker.shutdown()
@@ -141,6 +148,21 @@ async def _demo(cfg, keep_stack: bool) -> None:
         stack_down(StackConfig())
     else:
         console.print("Kafka and Redis are still running: `infinilm stack down` stops them.")
+
+
+def _drawn_picture() -> bytes:
+    """A PNG the demo draws: a sun over a green hill under a blue sky."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (320, 240), (110, 170, 235))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((-80, 150, 400, 420), fill=(70, 150, 60))
+    draw.ellipse((230, 25, 290, 85), fill=(255, 215, 0))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def _describe(res) -> str:

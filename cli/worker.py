@@ -18,6 +18,7 @@ import typer
 
 EXIT_CONFIG = 2
 EXIT_NO_ACCESS = 3
+EXIT_ENGINE_FAILED = 4  # the engine died under a running worker (a tensor-parallel rank was lost)
 
 
 def register(app: typer.Typer) -> None:
@@ -78,10 +79,11 @@ async def _run(cfg, worker_id: str | None, metrics_port: int | None) -> int:
     except ACCESS_ERRORS as exc:  # the credentials changed between the check and the start
         log.error("cannot start", reason=str(exc))
         return EXIT_NO_ACCESS
+    code = EXIT_ENGINE_FAILED if w.engine_failure is not None else 0
     if w.stuck_tasks:
         # Results and offsets are committed or aborted by now; asyncio.run would cancel the
         # stuck tasks once more and wait for them for ever, so leave without it.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code

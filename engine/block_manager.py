@@ -3,7 +3,8 @@
 The block manager alone owns this state; the scheduler sees only block ids.
 
 Prefix cache: each full block is keyed by a chained hash over (parent hash,
-token ids, extra key). On a hash match the token ids are compared too, so a
+token ids, extra key). The extra key holds the content hash of every image
+whose positions the block covers, so blocks after an image differ too. On a hash match the token ids are compared too, so a
 hash collision can never hand a request someone else's KV. A block whose
 reference count drops to zero keeps its hash and joins the tail of the free
 queue; allocation takes from the head, so cached blocks are evicted in LRU
@@ -99,6 +100,8 @@ class BlockManager:
         for i in range(len(hashes), request.num_known_tokens // bs):
             parent = hashes[-1] if hashes else None
             extra = mask.block_key((i + 1) * bs, request.token_ids) + det
+            if request.images:
+                extra += request.image_key(i * bs, (i + 1) * bs)
             if det and (i + 1) * bs > request.num_prompt_tokens:
                 # Rows written by decode steps have other numerics than a prefill of the same
                 # tokens would: keep them apart from prompt blocks.

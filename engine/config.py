@@ -22,6 +22,7 @@ from engine.settings import (
     ExecutionSettings,
     MemorySettings,
     ModelSettings,
+    ParallelSettings,
     QuantizationSettings,
     Settings,
     SpeculativeSettings,
@@ -47,6 +48,7 @@ GROUPS: dict[str, type[Settings]] = {
     "memory": MemorySettings,
     "quantization": QuantizationSettings,
     "speculative": SpeculativeSettings,
+    "parallel": ParallelSettings,
     "options": EngineOptions,
 }
 
@@ -104,11 +106,13 @@ class EngineConfig:
     @classmethod
     def from_groups(cls, *, model: ModelSettings, execution: ExecutionSettings, memory: MemorySettings,
                     quantization: QuantizationSettings, speculative: SpeculativeSettings | None = None,
-                    options: EngineOptions | None = None) -> EngineConfig:
+                    options: EngineOptions | None = None,
+                    parallel: ParallelSettings | None = None) -> EngineConfig:
         """From groups that are already validated; a group may be a subclass with keys of its own."""
         config = cls.__new__(cls)
         config._set({"model": model, "execution": execution, "memory": memory, "quantization": quantization,
-                     "speculative": speculative or SpeculativeSettings(), "options": options or EngineOptions()})
+                     "speculative": speculative or SpeculativeSettings(), "options": options or EngineOptions(),
+                     "parallel": parallel or ParallelSettings()})
         return config
 
     @classmethod
@@ -129,6 +133,11 @@ class EngineConfig:
         if self.speculative_method is not None and self.kv_fp_window:
             raise InvalidRequestError("speculative decoding does not run with kv_fp_window (rejected drafts would "
                                       "overwrite the window's rows); use kv_fp_window: 0")
+
+        if self.tensor_parallel_size > 1:
+            from engine.parallel.validation import check_engine_config
+
+            check_engine_config(self)
 
     def replace(self, **changes: object) -> EngineConfig:
         return EngineConfig(**{**vars(self), **changes})

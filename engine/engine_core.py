@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,14 +25,15 @@ from engine.attention.metadata import CAUSAL, MaskSpec
 from engine.attention.selection import select_backend, select_int8_backend
 from engine.block_manager import BlockManager
 from engine.config import DTYPES, CacheLayout, EngineConfig
-from engine.errors import InvalidRequestError, PromptTooLongError, RequestError
+from engine.draft_model import DraftModelProposer, draft_config
+from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, RequestError
 from engine.kv_cache import allocate_kv_caches, plan_cache_layout
 from engine.kv_events import KVEvent
 from engine.logits_processors import phrase_token_sequences
 from engine.model_runner import ModelRunner, StepHandle
 from engine.models.config import ModelConfig
 from engine.models.embedding_offload import offload_embedding
-from engine.models.loader import dummy_model
+from engine.models.loader import dummy_model, safetensors_files
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.platform_tuning import tune_model
@@ -40,8 +42,10 @@ from engine.quant.modules import weight_bytes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import make_proposer
+from engine.speculative import Proposer, make_proposer
 from engine.tokenizer import Tokenizer
+from engine.vision.llava import VisionEncoder, load_vision_encoder, place_images
+from engine.vision.preprocess import ImageInput, ImageLimits, ImageProcessor
 
 log = logging.getLogger(__name__)
 
@@ -73,40 +77,42 @@ class EngineCore:
         self.tokenizer = Tokenizer(self.model_path, mc.eos_token_ids) if (self.model_path / "tokenizer.json").is_file() else None
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(mc.eos_token_ids)
 
-        if config.cache_bits == 8:
-            backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
-                                          mc.head_dim)
-        else:
-            backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
-                                     mc.head_dim, config.block_size)
         max_positions = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if config.load_format == "dummy":
-            self.model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
+        # Tensor parallelism (engine/parallel/): this process is rank 0 and holds its shard; the other ranks
+        # are spawned here and run each step's forward pass with it.
+        self.parallel = None
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.launcher import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup(config, self.model_path, mc, self.device, self.dtype, max_positions)
+            self.model, tuning = self.parallel.state.model, self.parallel.state.tuning
+            self.layout: CacheLayout = self.parallel.state.layout
+            self.kv_caches = self.parallel.state.kv_caches
         else:
-            self.model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
-                                           self.device, self.tokenizer)
-        if config.embedding_offload:
-            offload_embedding(self.model, self.device)
-        tuning = tune_model(self.model, config, self.device, self.dtype)
+            self.model, tuning = self._load_model(config, mc, max_positions)
+            self.layout = plan_cache_layout(config, mc, self.device, self.dtype)
+            self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages is True)
+        # NOTE: a vision tower runs on rank 0 only, so tensor parallelism refuses vision models at start-up.
+        self.vision, self.image_processor = load_vision(self.model_path, mc, config, self.dtype, self.device)
         self.prepacked_bytes, self.prepack_s, self.decode_split = (tuning.prepacked_bytes, tuning.prepack_s,
                                                                    tuning.decode_split)
         self.weight_bytes = weight_bytes(self.model)
-        self.layout: CacheLayout = plan_cache_layout(config, mc, self.device, self.dtype)
         self.max_model_len = self.layout.max_model_len
-        self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages is True)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size, config.enable_prefix_caching)
         # The deterministic prefill grid must fit in one step's budget (a derived value).
         bs = config.block_size
         self.deterministic_grid = min(config.deterministic_chunk, config.max_num_batched_tokens // bs * bs)
         self.block_manager.deterministic_chunk = self.deterministic_grid
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.deterministic_grid, make_proposer(config),
+                                   self.max_model_len, self.deterministic_grid, self._proposer(),
                                    config.num_speculative_tokens)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.runner.vision = self.vision
         if self.layout.window:
             self.runner.kv_window = KVWindowSlots(self.layout.window, self.layout.window_slots)
         # The int8 KV path has not been captured into CUDA graphs on a GPU yet: it runs eagerly.
-        if self.device.type == "cuda" and config.cuda_graphs and config.cache_bits == 16:
+        # Captured graphs would replay without the ranks' collectives: tensor-parallel steps run eagerly.
+        if self.device.type == "cuda" and config.cuda_graphs and config.cache_bits == 16 and self.parallel is None:
             from engine.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
@@ -118,13 +124,49 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         # Speculative decoding drafts from the step before's tokens, so it takes synchronous scheduling.
         self.pipelined = (config.async_scheduling if config.async_scheduling is not None
-                          else self.device.type == "cuda" and config.speculative_method is None)
+                          else self.device.type == "cuda" and config.speculative_method is None
+                          and self.parallel is None)
         # The launched step whose tokens are not collected yet (pipelined scheduling).
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
         self._last_idle_s: float | None = None  # device idle before the last collected step (CUDA)
         self._ids = itertools.count()
         self._steps = 0
         self.last_stats = EngineStats()
+
+    def _proposer(self) -> Proposer | None:
+        if self.config.speculative_method != "draft_model":
+            return make_proposer(self.config)
+        draft = EngineCore(draft_config(self.config, self.max_model_len))
+        return DraftModelProposer(draft, self.model_config.vocab_size,
+                                  self.tokenizer.vocab() if self.tokenizer is not None else None)
+
+    def _load_model(self, config: EngineConfig, mc: ModelConfig, max_positions: int):
+        """The whole model in this process (tensor_parallel_size 1), fitted to the machine."""
+        if config.cache_bits == 8:
+            backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
+                                          mc.head_dim)
+        else:
+            backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
+                                     mc.head_dim, config.block_size)
+        if config.load_format == "dummy":
+            model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
+        else:
+            model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
+                                      self.device, self.tokenizer)
+        if config.embedding_offload:
+            offload_embedding(model, self.device)
+        return model, tune_model(model, config, self.device, self.dtype)
+
+    def check_health(self) -> None:
+        """Raise EngineFailure if the engine can no longer step (a tensor-parallel rank died); hosts that sit
+        idle between steps call this so that a failure shows while no step runs."""
+        if self.parallel is not None:
+            self.parallel.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any. Idempotent; the engine cannot step afterwards."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def _capture_graphs(self) -> None:
         """Capture the decode graphs; if that fails, serve with eager decode steps rather than not at all."""
@@ -139,8 +181,10 @@ class EngineCore:
     # ---- requests ------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     *, mask: MaskSpec = CAUSAL, arrival_time: float | None = None,
-                    add_special_tokens: bool = True) -> Request:
-        """Validate and queue a request; raises RequestError (with a stable code) if it can't run."""
+                    add_special_tokens: bool = True, images: Sequence[ImageInput] = ()) -> Request:
+        """Validate and queue a request; raises RequestError (with a stable code) if it can't run.
+
+        `images` (from load_image) go, in order, where the prompt has the model's image token."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -150,6 +194,9 @@ class EngineCore:
         prompt_text, token_ids = self._tokenize(prompt, add_special_tokens)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
+        spans: tuple = ()
+        if images or self.vision is not None:
+            token_ids, spans = self._place_images(token_ids, images)
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
@@ -168,7 +215,7 @@ class EngineCore:
                 f"most max_num_batched_tokens={self.config.max_num_batched_tokens} tokens; they have "
                 f"{len(token_ids) - mask.start}"
             )
-        req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text)
+        req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text, spans)
         if params.banned_phrases:
             if self.tokenizer is None:
                 raise InvalidRequestError("banned phrases need a model with a tokenizer")
@@ -176,6 +223,17 @@ class EngineCore:
         self.output_processor.add(req)
         self.scheduler.add(req)
         return req
+
+    def load_image(self, data: bytes, limits: ImageLimits | None = None, name: str = "image") -> ImageInput:
+        """Decode and preprocess an image for this model; InvalidRequestError, naming `name`, if it can't be used."""
+        if self.image_processor is None:
+            raise InvalidRequestError(f"{name}: this model takes no images (it has no vision tower)")
+        return self.image_processor.load(data, limits or ImageLimits(), name)
+
+    def _place_images(self, token_ids: list[int], images: Sequence[ImageInput]) -> tuple[list[int], tuple]:
+        if self.vision is None:
+            raise InvalidRequestError("image 0: this model takes no images (it has no vision tower)")
+        return place_images(token_ids, images, self.model_config.vision)
 
     def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -201,6 +259,7 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.check_health()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         inflight, self._inflight = self._inflight, None
@@ -244,6 +303,10 @@ class EngineCore:
         try:
             return self.runner.launch(sched, previous), None
         except Exception as exc:
+            # NOTE: with tensor parallelism a failed step leaves the ranks out of lockstep (one may wait in a
+            # collective that the others never enter): the engine fails as a whole.
+            if self.parallel is not None:
+                raise self.parallel.fail(exc) from exc
             # A failure inside the forward pass must not take the engine down:
             # fail the requests of this step and keep serving the rest.
             return None, exc
@@ -305,6 +368,21 @@ class EngineCore:
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
         )
+
+
+def load_vision(folder: Path, mc: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                device: torch.device) -> tuple[VisionEncoder | None, ImageProcessor | None]:
+    """A LLaVA model's vision encoder and image processor; (None, None) for a text-only model."""
+    if mc.vision is None:
+        return None, None
+    if config.load_format == "dummy":
+        raise ModelLoadError("load_format=dummy does not build vision models; load the checkpoint")
+    processor = ImageProcessor.from_folder(folder)
+    size = (mc.vision.image_size, mc.vision.image_size)
+    if processor.output_size != size:
+        raise ModelLoadError(f"{folder}: the image processor makes {processor.output_size} images, "
+                             f"the vision tower takes {size}")
+    return load_vision_encoder(folder, safetensors_files(folder), mc.vision, dtype, device), processor
 
 
 def _may_overlap(sched: SchedulerOutput) -> bool:

@@ -32,3 +32,7 @@ class PromptTooLongError(RequestError):
 
 class ModelLoadError(RuntimeError):
     """The model folder is missing, incomplete or of an unsupported architecture."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died or hung): its host must stop, not retry."""

@@ -10,6 +10,7 @@ from engine.engine_core import EngineCore
 from engine.errors import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.vision.preprocess import ImageInput
 
 Prompt = str | list[int]
 
@@ -25,19 +26,33 @@ class LLM:
         self.config = EngineConfig.from_options(model=model, dtype=dtype, **engine_options)
         self.engine = EngineCore(self.config)
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks (nothing to do for one process). Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, masks: Sequence[MaskSpec] | None = None, progress: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in order. A bad request fails alone (its output carries `error`)."""
+                 *, masks: Sequence[MaskSpec] | None = None, images: Sequence[Sequence[bytes | ImageInput]] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. A bad request fails alone (its output carries `error`).
+
+        `images[i]` are prompt i's images, encoded files (PNG, JPEG, ...) or ImageInputs from
+        engine.load_image, one per image token in it."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         param_list = self._expand(params, len(prompts))
         mask_list = list(masks) if masks is not None else [CAUSAL] * len(prompts)
-        return self._run(prompts, param_list, mask_list, progress)
+        return self._run(prompts, param_list, mask_list, progress, images)
 
     def chat(self, conversations: Sequence[list[dict[str, str]]] | list[dict[str, str]],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool = False) -> list[RequestOutput]:
@@ -66,8 +81,11 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         return params
 
-    def _run(self, prompts, params, masks, progress: bool) -> list[RequestOutput]:
+    def _run(self, prompts, params, masks, progress: bool, images=None) -> list[RequestOutput]:
         engine = self.engine
+        images = list(images) if images is not None else [()] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"got image lists for {len(images)} of {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         ids: list[str] = []
         for i, (prompt, p, mask) in enumerate(zip(prompts, params, masks, strict=True)):
@@ -76,7 +94,9 @@ class LLM:
             try:
                 if isinstance(prompt, RequestError):
                     raise prompt
-                engine.add_request(rid, prompt, p, mask=mask)
+                loaded = [data if isinstance(data, ImageInput) else engine.load_image(data, name=f"image {k}")
+                          for k, data in enumerate(images[i])]
+                engine.add_request(rid, prompt, p, mask=mask, images=loaded)
             except RequestError as exc:
                 results[rid] = _error_output(rid, prompt, exc)
         bar = _progress(len(prompts) - len(results)) if progress else None

@@ -32,6 +32,7 @@ from engine.sampler import DeviceSample, sample_on_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.speculative import verify
 from engine.transfer import to_device
+from engine.vision.llava import step_embeddings
 
 
 @dataclass
@@ -76,6 +77,8 @@ class ModelRunner:
         # Ring slots of an int8 KV cache's full-precision window (kv_fp_window > 0), set by the engine.
         self.kv_window: KVWindowSlots | None = None
         self.last_logits: dict[str, torch.Tensor] = {}
+        # The vision tower and projector of a LLaVA model (engine.vision.llava.VisionEncoder), set by the engine.
+        self.vision = None
         self._last_end: torch.cuda.Event | None = None  # the last launched step's end, on CUDA
 
     def release(self, out: SchedulerOutput) -> None:
@@ -101,7 +104,11 @@ class ModelRunner:
         if started is not None:
             started.record()
         with batch_invariant(invariant):
-            if (self.graphs is not None and not prefills and not invariant
+            embeds = step_embeddings(self.vision, self.model.embed_tokens, ordered, input_ids, invariant) \
+                if self.vision is not None else None
+            if embeds is not None:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds=embeds)
+            elif (self.graphs is not None and not prefills and not invariant
                     and self.graphs.can_run(meta.num_decodes)):
                 hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                          meta.decode_seq_lens)

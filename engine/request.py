@@ -32,7 +32,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], mask: MaskSpec = CAUSAL,
-                 arrival_time: float | None = None, prompt: str | None = None) -> None:
+                 arrival_time: float | None = None, prompt: str | None = None, images: tuple = ()) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -42,6 +42,8 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.mask = mask
+        # engine.vision.llava.ImageSpan per image, in prompt order: whose features fill which positions.
+        self.images = images
         self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -78,6 +80,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+
+    def image_key(self, start: int, end: int) -> bytes:
+        """The content hashes of the images with positions in [start, end), for the prefix-cache key."""
+        return b"".join(b"img:%d:" % span.start + span.image.content_hash for span in self.images
+                        if span.start < end and start < span.start + span.length)
 
     @property
     def is_finished(self) -> bool:

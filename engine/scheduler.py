@@ -33,7 +33,7 @@ from engine.attention.metadata import MaskSpec
 from engine.block_manager import BlockManager
 from engine.request import PLACEHOLDER, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.speculative import Proposer, may_speculate
+from engine.speculative import Proposer, may_speculate, propose_all
 
 
 @dataclass
@@ -52,6 +52,7 @@ class ScheduledRequest:
     banned: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
     pending_index: int = -1  # where advance() put this step's sampled token in the request's tokens
     num_draft: int = 0  # the last num_draft token_ids are a speculative draft, not yet the request's tokens
+    images: tuple = ()  # the request's engine.vision.llava.ImageSpans (the runner encodes those in this chunk)
 
     @property
     def is_decode(self) -> bool:
@@ -137,13 +138,15 @@ class Scheduler:
         self._finished_ids = []
         budget = self.token_budget
         preempted_now = False
+        drafts = self._drafts(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_pending and self._surely_done(req):
                 i += 1  # its pending token is its last: resolve() finishes it
                 continue
-            draft = self._draft(req, budget)
+            # A shorter draft is a prefix of the longer one (both proposers draft left to right).
+            draft = drafts.get(req.request_id, [])[:budget - 1]
             if draft and self.kv.allocate(req, 1 + len(draft)):
                 self._emit(out, req, 1, draft)
                 budget -= 1 + len(draft)
@@ -206,15 +209,23 @@ class Scheduler:
                 hashes.update(req.block_hashes[s.start // bs:(s.start + len(s.token_ids)) // bs])
         return hashes
 
-    def _draft(self, req: Request, budget: int) -> list[int]:
-        """A draft for a decode request whose tokens are all known, within its length limits and the budget."""
-        if (self.proposer is None or req.num_pending or req.num_computed_tokens != req.num_tokens - 1
-                or not may_speculate(req.params)):
-            return []
-        # The step may add num_draft + 1 tokens: all of them must fit max_tokens and max_model_len.
-        limit = min(req.draft_limit or self.num_speculative_tokens, budget - 1,
-                    req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-        return self.proposer.propose(req, limit) if limit > 0 else []
+    def _drafts(self, budget: int) -> dict[str, list[int]]:
+        """Drafts for the running decode requests whose tokens are all known, each within its length limits
+        and the step's budget, proposed together (a draft model runs them as one batch)."""
+        if self.proposer is None:
+            return {}
+        asks = []
+        for req in self.running:
+            if req.num_pending or req.num_computed_tokens != req.num_tokens - 1 or not may_speculate(req.params):
+                continue
+            # The step may add num_draft + 1 tokens: all of them must fit max_tokens and max_model_len.
+            limit = min(req.draft_limit or self.num_speculative_tokens, budget - 1,
+                        req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            if limit > 0:
+                asks.append((req, limit))
+        if not asks:
+            return {}
+        return {req.request_id: draft for (req, _), draft in zip(asks, propose_all(self.proposer, asks), strict=True)}
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int, draft: list[int] = ()) -> None:
         start = req.num_computed_tokens
@@ -230,6 +241,7 @@ class Scheduler:
             history=req.token_ids,
             banned=req.banned_sequences,
             num_draft=len(draft),
+            images=req.images,
         ))
         out.num_scheduled_tokens += num_new + len(draft)
 

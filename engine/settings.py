@@ -140,17 +140,34 @@ class QuantizationSettings(Settings):
 
 
 class SpeculativeSettings(Settings):
-    """Speculative decoding (engine/speculative.py). `method` prompt_lookup drafts up to `k` tokens a step from
-    the request's own tokens, matching its last `n` down to `n_min` tokens, and verifies them in the same
-    forward pass. A draft is built from the step before's tokens, so it needs synchronous scheduling."""
+    """Speculative decoding (engine/speculative.py). Up to `k` draft tokens a step, verified in the same
+    forward pass. `method` prompt_lookup drafts from the request's own tokens, matching its last `n` down to
+    `n_min` tokens; draft_model drafts greedily with `draft_model`, a smaller model with the same tokenizer
+    (engine/draft_model.py), whose KV cache takes `draft_kv_cache_bytes`. A draft is built from the step
+    before's tokens, so it needs synchronous scheduling."""
 
-    method: Literal["prompt_lookup"] | None = None
+    method: Literal["prompt_lookup", "draft_model"] | None = None
     k: PositiveInt = 4
     n: PositiveInt = 4
     n_min: PositiveInt = 2
+    draft_model: NonEmptyStr | None = None
+    draft_kv_cache_bytes: Bytes = 256 << 20
 
     def __post_init__(self) -> None:
         require(self.n_min <= self.n, "n_min", f"must be <= n ({self.n}), got {self.n_min}")
+        require(self.method != "draft_model" or self.draft_model is not None, "draft_model",
+                "method draft_model needs draft_model: a model name or folder with the target's tokenizer")
+        require(self.draft_model is None or self.method == "draft_model", "draft_model",
+                f"is only read with method: draft_model (method is {self.method!r})")
+
+
+class ParallelSettings(Settings):
+    """Tensor parallelism (engine/parallel/): one process per rank on torch.distributed, NCCL on CUDA and
+    gloo on the CPU. Rank 0 schedules and samples; the others run the same forward pass on their shard."""
+
+    tensor_parallel_size: PositiveInt = 1
+    # A collective that waits longer than this (a rank hung or died) fails the engine instead of waiting.
+    collective_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
 
 
 class EngineOptions(Settings):

@@ -74,6 +74,15 @@ class PromptLookupProposer:
         return []
 
 
+def propose_all(proposer: Proposer, asks: list[tuple[Request, int]]) -> list[list[int]]:
+    """Drafts for several requests at once, each within its own token limit: in one batch where the
+    proposer can (`propose_many`, a draft model's engine), else one request at a time."""
+    many = getattr(proposer, "propose_many", None)
+    if many is not None:
+        return many(asks)
+    return [proposer.propose(req, limit) for req, limit in asks]
+
+
 def make_proposer(config: EngineConfig) -> Proposer | None:
     if config.speculative_method == "prompt_lookup":
         return PromptLookupProposer(config.prompt_lookup_max, config.prompt_lookup_min)

@@ -10,6 +10,8 @@ same arguments it would pass to OpenAI.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import ClassVar
 
 import msgspec
@@ -32,11 +34,74 @@ class _RequestBase(msgspec.Struct, tag_field="kind", frozen=True, omit_defaults=
     id: str
 
 
+class _Part(msgspec.Struct, tag_field="type", frozen=True, kw_only=True):
+    pass
+
+
+class TextPart(_Part, tag="text", kw_only=True):
+    """`{"type": "text", "text": ...}`, as in OpenAI."""
+
+    text: str
+
+
+class ImageURL(msgspec.Struct, frozen=True, kw_only=True):
+    """Only `data:` URLs (`data:image/png;base64,...`) are served: workers never fetch from the network."""
+
+    url: str
+    detail: str | None = None  # accepted for OpenAI compatibility; LLaVA has one resolution
+
+
+class ImageURLPart(_Part, tag="image_url", kw_only=True):
+    """`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`, as in OpenAI."""
+
+    image_url: ImageURL
+
+
+class ImagePart(_Part, tag="image", kw_only=True):
+    """`{"type": "image", "image": <bytes>}`: the encoded file (PNG, JPEG, ...) as msgpack bin, or as a
+    base64 string in JSON."""
+
+    image: bytes
+
+
+ContentPart = TextPart | ImageURLPart | ImagePart
+
+
+def image_data(part: ImageURLPart | ImagePart) -> bytes:
+    """The encoded image file a part carries; ValueError, saying why, for a URL that is not a base64
+    `data:` URL (a remote URL included: workers never fetch)."""
+    if isinstance(part, ImagePart):
+        return part.image
+    url = part.image_url.url
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https", "ftp", "file", "s3", "gs"):
+        raise ValueError(f"{scheme} image URLs are not fetched; send the image inline as a data: URL "
+                         "(data:image/png;base64,...) or, in msgpack, as raw bytes in an image part")
+    header, sep, payload = url.partition(",")
+    if scheme != "data" or not sep or not header.lower().endswith(";base64"):
+        raise ValueError("an image URL must be a base64 data: URL (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"the data: URL is not valid base64: {exc}") from None
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True):
-    """One chat turn. `role` is one of ROLES."""
+    """One chat turn. `role` is one of ROLES; `content` is a string, or a list of parts (text and images)."""
 
     role: str
-    content: str
+    content: str | list[ContentPart]
+
+    @property
+    def text(self) -> str:
+        """The message's text: its text parts, one per line, for a content list."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def num_images(self) -> int:
+        return 0 if isinstance(self.content, str) else sum(1 for p in self.content if not isinstance(p, TextPart))
 
 
 class ChatRequest(_RequestBase, tag="chat", kw_only=True):

@@ -18,8 +18,10 @@ from schemas.requests import (
     ROLES,
     AsrRequest,
     ChatRequest,
+    ImageURLPart,
     Request,
     RiskRequest,
+    TextPart,
 )
 from schemas.version import SCHEMA_VERSION
 
@@ -43,6 +45,7 @@ class RequestLimits:
     max_name_chars: int = 256  # stream_id, tenant, mask_policy, risk item ids, labels
     max_tokens: int = 1 << 20  # same bound as the engine's SamplingParams
     max_messages: int = 1024
+    max_parts: int = 1024  # of one message's content list
     max_stop: int = 16
     max_stop_chars: int = 256
     max_rules: int = 64
@@ -125,7 +128,15 @@ def validate_chat(req: ChatRequest, limits: RequestLimits = DEFAULT_LIMITS) -> N
                 f"unknown role {_short(message.role)} (expected one of {', '.join(ROLES)})",
                 f"messages[{i}].role",
             )
-        check.text(message.content, f"messages[{i}].content", limits.max_text_chars)
+        if isinstance(message.content, str):
+            check.text(message.content, f"messages[{i}].content", limits.max_text_chars)
+            continue
+        check.count(message.content, f"messages[{i}].content", limits.max_parts)
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                check.text(part.text, f"messages[{i}].content[{j}].text", limits.max_text_chars)
+            elif isinstance(part, ImageURLPart) and not part.image_url.url:
+                raise check.fail("must not be empty", f"messages[{i}].content[{j}].image_url.url")
     check.int_range(req.max_tokens, "max_tokens", 1, limits.max_tokens)
     check.finite(req.temperature, "temperature")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_
 import msgspec
 import yaml
 
-from engine.settings import MemorySettings, ModelSettings, QuantizationSettings, Settings
+from engine.settings import MemorySettings, ModelSettings, ParallelSettings, QuantizationSettings, Settings
 from worker.config_sections import (
     AsrConfig,
     ChatConfig,
@@ -61,6 +61,7 @@ class ServiceConfig(Settings):
     asr: AsrConfig = msgspec.field(default_factory=AsrConfig)
     risk: RiskConfig = msgspec.field(default_factory=RiskConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    parallel: ParallelSettings = msgspec.field(default_factory=ParallelSettings)
 
     def __post_init__(self) -> None:
         max_seq_len = self.model.max_seq_len
@@ -79,7 +80,8 @@ class ServiceConfig(Settings):
 
         try:
             return EngineConfig.from_groups(model=self.model, execution=self.execution, memory=self.memory,
-                                            quantization=self.quantization, speculative=self.speculative)
+                                            quantization=self.quantization, speculative=self.speculative,
+                                            parallel=self.parallel)
         except RequestError as exc:
             raise ConfigError(f"the engine rejected the configuration: {exc}") from None
 

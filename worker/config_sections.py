@@ -191,6 +191,11 @@ class ChatConfig(Settings):
     repair_policy: Literal["regenerate", "flag"] = "regenerate"
     forbidden_phrases: tuple[NonEmptyStr, ...] = ()
     default_max_tokens: PositiveInt = 256
+    # Images in one chat request (vision models), and the bounds on each: its encoded bytes, and its
+    # width x height, checked from the header before any pixel is decoded.
+    max_images: PositiveInt = 8
+    max_image_bytes: Bytes = 8_388_608
+    max_image_pixels: PositiveInt = 16_777_216
 
     def __post_init__(self) -> None:
         for key in ("tenant_rules", "topic_rules"):
@@ -211,7 +216,9 @@ class ChatConfig(Settings):
 class AsrConfig(Settings):
     """Streaming ASR post-correction."""
 
-    gap_timeout_s: Seconds = 5.0
+    # Covers a predecessor still queued or running here, or redelivered after a rebalance
+    # (kafka.session_timeout_ms and more): a real gap waits this long without blocking other work.
+    gap_timeout_s: Seconds = 30.0
     # causal is the default everywhere; chunk_bidirectional lets a chunk's tokens see each other.
     mask_policy: Literal["causal", "chunk_bidirectional", "prefix_bidirectional", "packed_segments"] = "causal"
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from engine import EngineCore, EngineStats, MaskSpec, RequestError, RequestOutput, SamplingParams
 from engine.attention.metadata import CAUSAL
+from engine.errors import EngineFailure
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class EngineJob:
     params: SamplingParams
     mask: MaskSpec = CAUSAL
     arrival_time: float | None = None
+    images: tuple = ()
 
 
 @dataclass
@@ -92,6 +94,9 @@ class EngineLoop:
         self.running = 0
         self.waiting = 0
         self.failed: BaseException | None = None
+        # Called on the engine thread with the error when the loop dies (e.g. EngineFailure: a tensor-parallel
+        # rank is gone); the service stops the worker, so its partitions move to another one.
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def start(self) -> None:
         self._done = self._thread.call(self._run)
@@ -127,6 +132,7 @@ class EngineLoop:
                 now = time.perf_counter()
                 if not busy:
                     last_step_end = max(last_step_end, work_arrived or now)
+                    engine.check_health()  # an idle engine's dead rank must not wait for the next request
                 if not engine.has_unfinished_requests():
                     if errors:
                         self._deliver(EngineEvent(errors=errors))
@@ -134,6 +140,8 @@ class EngineLoop:
                 stall = max(0.0, now - last_step_end)
                 try:
                     outputs = engine.step()
+                except EngineFailure:
+                    raise  # the engine as a whole is gone: failing its requests would not help
                 except Exception as exc:  # a bug must fail requests, not the worker
                     log.exception("engine step failed")
                     outputs = self.fail_all(exc)
@@ -148,6 +156,8 @@ class EngineLoop:
         except BaseException as exc:  # pragma: no cover - reported through `failed`
             self.failed = exc
             log.exception("engine thread died")
+            if self.on_failure is not None:
+                self.on_failure(exc)
             raise
 
     def _drain(self, block: bool) -> tuple[list[tuple[str, RequestError]], float | None]:
@@ -164,7 +174,7 @@ class EngineLoop:
                 for job in payload:
                     try:
                         self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, mask=job.mask,
-                                                arrival_time=job.arrival_time)
+                                                arrival_time=job.arrival_time, images=job.images)
                     except RequestError as exc:
                         errors.append((job.request_id, exc))
             elif kind == "abort":

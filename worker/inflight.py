@@ -87,7 +87,8 @@ class InFlightTable:
         fl.stream = [w.stream for w in prepared.work]
         for engine_id, work in zip(fl.engine_ids, prepared.work, strict=True):
             self._entries[engine_id] = fl
-            ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids), work.params.max_tokens,
+            ready = self.batcher.add(BatchItem(engine_id, len(work.prompt_token_ids) + work.image_positions,
+                                               work.params.max_tokens,
                                                payload=work, arrival=time.monotonic()))
             self.submit(ready)
         self.submit(self.batcher.release(self.room()))
@@ -113,7 +114,8 @@ class InFlightTable:
                               f"deadline passed {now_ms - deadline:.0f} ms before the request could start")
                     continue
                 work = item.payload
-                jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at))
+                jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at,
+                                      work.images))
                 self._in_engine.add(item.key)
         self.engine_loop.submit(jobs)
 

@@ -9,20 +9,18 @@ one file each, top to bottom:
   flusher.py     each partition's finished prefix and its offset, one transaction per partition
 
 Beside the path: partitions.py (assign, revoke, set-up, fencing, pause, watchdog) and
-health.py (/healthz, /readyz, load, housekeeping). Nothing on the event loop waits on the engine.
+health.py (/healthz, /readyz, load, housekeeping); lifecycle.py builds the clients and stops
+tasks. Nothing on the event loop waits on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import time
+from typing import TYPE_CHECKING
 
 import structlog
-from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import ProducerFenced
 
 from engine import EngineCore
 from worker.batcher import make_batcher
@@ -32,40 +30,34 @@ from worker.flusher import Flusher
 from worker.handlers import Handler, HandlerContext
 from worker.handlers.asr import AsrHandler
 from worker.handlers.chat import ChatHandler
+from worker.handlers.images import ImageReader
 from worker.handlers.risk import RiskHandler
 from worker.health import Health
 from worker.http import HealthServer
 from worker.inflight import InFlightTable
 from worker.intake import Intake
-from worker.kafka_clients import check_kafka_access, consumer_kwargs, producer_kwargs
+from worker.kafka_clients import check_kafka_access
+from worker.lifecycle import (
+    build_clients,
+    default_worker_id,
+    package_version,
+    quiet_fenced_futures,
+    stop_tasks,
+)
 from worker.memory import freeze_startup_objects
 from worker.metrics import WorkerMetrics
 from worker.partitions import Partitions, Rebalance
-from worker.publisher import AtLeastOncePublisher, DeltaPublisher, TransactionalPublisher
+from worker.publisher import AtLeastOncePublisher
 from worker.rules import RULE_KINDS
-from worker.state import REDIS_OPS, RedisState
+from worker.state import REDIS_OPS
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer
+
+    from worker.publisher import DeltaPublisher, TransactionalPublisher
+    from worker.state import RedisState
 
 log = structlog.get_logger("infinilm.worker")
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-async def stop_tasks(tasks: list[asyncio.Task], timeout_s: float) -> list[str]:
-    """Cancel `tasks` and wait for them, cancelling again every half second: a task whose
-    cancellation was swallowed (Python 3.11's wait_for can lose one) gets another. Returns the
-    names of those still running after `timeout_s`."""
-    pending = {t for t in tasks if not t.done()}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
-    return sorted(t.get_name() for t in pending)
 
 
 class Worker:
@@ -83,7 +75,7 @@ class Worker:
                 raise
         self.engine = engine
         self.model_name = config.model.name
-        self.metrics.set_worker_info(self.worker_id, self.model_name, _version())
+        self.metrics.set_worker_info(self.worker_id, self.model_name, package_version())
         self.metrics.declare_label_values(topics=config.topics.request_topics.values(), redis_ops=REDIS_OPS,
                                           rules=RULE_KINDS)
         self.handlers: dict[str, Handler] = {"chat": ChatHandler(), "risk": RiskHandler(), "asr": AsrHandler()}
@@ -91,6 +83,7 @@ class Worker:
             tokenizer=self.engine.tokenizer, max_model_len=self.engine.max_model_len,
             max_num_batched_tokens=self.engine.config.max_num_batched_tokens, worker_id=self.worker_id,
             model_name=self.model_name, config=config, metrics=self.metrics,
+            images=ImageReader.for_engine(self.engine, config.chat),
         )
         self.batcher = make_batcher(
             config.execution.batcher, max_seq_len=self.engine.max_model_len,
@@ -113,6 +106,7 @@ class Worker:
         self.http: HealthServer | None = None
         self._tasks: list[asyncio.Task] = []
         self.stuck_tasks: list[str] = []  # set by shutdown(): tasks that would not stop
+        self.engine_failure: BaseException | None = None  # why the engine died under the worker, if it did
 
     # ---- lifecycle -------------------------------------------------------
     async def run(self) -> None:
@@ -136,8 +130,12 @@ class Worker:
         events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.engine_loop = EngineLoop(self.engine, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                                       thread=self._engine_thread)
+        self.engine_loop.on_failure = lambda exc: loop.call_soon_threadsafe(self._engine_failed, exc)
         self.engine_loop.start()
-        self._build_clients()
+        clients = build_clients(self.config, self.worker_id, self.metrics, load_fn=self.engine_loop.load)
+        self.redis, self.deltas, self.consumer, self.publisher = (clients.redis, clients.deltas, clients.consumer,
+                                                                  clients.publisher)
+        self.ctx.redis = self.redis
         self._wire()
         if cfg.metrics.enabled:
             self.http = HealthServer(cfg.metrics.host, cfg.metrics.port, self.metrics.registry, self.health.healthz,
@@ -164,28 +162,6 @@ class Worker:
             task.add_done_callback(self._task_done)
         log.info("worker started", model=self.model_name, topics=topics, delivery=cfg.kafka.delivery,
                  metrics_port=self.http.port if self.http else None, gc_frozen_objects=frozen)
-
-    def _build_clients(self) -> None:
-        """Redis, the delta producer, the consumer and the results publisher; none connects yet."""
-        cfg, rc = self.config, self.config.redis
-        self.redis = RedisState(
-            rc.url, worker_id=self.worker_id, model=self.model_name, key_prefix=rc.key_prefix,
-            index_ttl_s=rc.index_ttl_s, heartbeat_interval_s=rc.heartbeat_interval_s,
-            stream_state_ttl_s=rc.stream_state_ttl_s, socket_timeout_s=rc.socket_timeout_s,
-            event_buffer=rc.event_buffer, password=rc.password.get() if rc.password else None,
-            username=rc.username, on_error=self.metrics.inc_redis_error,
-            on_health_change=self.metrics.set_redis_up, load_fn=self.engine_loop.load,
-        )
-        self.ctx.redis = self.redis
-        to_produce = producer_kwargs(cfg.kafka, client_id=self.worker_id)
-        self.deltas = DeltaPublisher(to_produce, on_error=lambda: None)
-        self.consumer = AIOKafkaConsumer(**consumer_kwargs(cfg.kafka, client_id=self.worker_id))
-        if cfg.kafka.delivery == "exactly_once":
-            self.publisher = TransactionalPublisher(to_produce, cfg.kafka.group_id, cfg.kafka.transactional_id_prefix,
-                                                    cfg.kafka.transaction_timeout_ms, self.metrics.inc_kafka_transaction,
-                                                    publish_timeout_s=cfg.kafka.transaction_timeout_ms / 1000)
-        else:
-            self.publisher = AtLeastOncePublisher(to_produce, self.consumer.commit, self.metrics.inc_kafka_transaction)
 
     def _wire(self) -> None:
         """Build the parts, each given only what it uses."""
@@ -229,6 +205,12 @@ class Worker:
                   error=repr(exc) if exc else "returned")
         self.stop()
 
+    def _engine_failed(self, exc: BaseException) -> None:
+        # Nothing in flight can finish now: stop, so the uncommitted work is redelivered to another worker.
+        log.error("the engine failed; stopping the worker", error=repr(exc))
+        self.engine_failure = exc
+        self.stop()
+
     async def shutdown(self) -> None:
         """Stop fetching, finish in-flight work (bounded), commit, close."""
         if not self._started:
@@ -243,7 +225,8 @@ class Worker:
             consume.cancel()
             await asyncio.gather(consume, return_exceptions=True)
         self.inflight.drain()
-        while (len(self.inflight) or self.intake.preparing) and time.monotonic() < deadline:
+        while ((len(self.inflight) or self.intake.preparing) and time.monotonic() < deadline
+               and self.engine_loop.alive):  # a dead engine finishes nothing: no reason to wait
             await asyncio.sleep(0.05)
         self.intake.cancel_prepares()
         if len(self.inflight):
@@ -268,26 +251,8 @@ class Worker:
         with contextlib.suppress(Exception):
             await self.redis.stop()
         self.engine_loop.stop()
+        if not self.engine_loop.alive:  # never under a step that is still running
+            self.engine.close()  # the tensor-parallel ranks, if any
         if self.http:
             self.http.stop()
         log.info("worker stopped")
-
-
-def quiet_fenced_futures(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """The event loop's exception handler: aiokafka's internal transaction futures that hold a
-    ProducerFenced nobody awaited are expected after a fence (the publish that met it has already
-    given the partition up), so they are logged at debug level instead of as errors."""
-    if isinstance(context.get("exception"), ProducerFenced) and context.get("message", "").startswith(
-            "Future exception was never retrieved"):
-        log.debug("fenced producer left an unread future", detail=context["message"])
-        return
-    loop.default_exception_handler(context)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("infinilm-stream")
-    except PackageNotFoundError:
-        return "dev"

@@ -6,6 +6,7 @@ transformers 5 layout (`rope_parameters`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # The quant config of a checkpoint written by `infinilm quantize` (engine.quant), else None.
     quantization: dict[str, Any] | None = None
+    # A LLaVA checkpoint's vision tower and projector (engine.vision); None for a text-only model.
+    vision: Any = None
 
     @property
     def q_size(self) -> int:
@@ -67,6 +70,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        from engine.vision.config import VisionConfig, is_llava, llava_text_config
+
+        if is_llava(raw):
+            text = cls.from_dict(llava_text_config(raw))
+            return dataclasses.replace(text, vision=VisionConfig.from_llava_dict(raw, text.hidden_size))
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

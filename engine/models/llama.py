@@ -208,11 +208,12 @@ class LlamaForCausalLM(nn.Module):
                                     dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`embeds`, when given, replaces the token embeddings (image features at image positions)."""
         fused = self.fused_decoder
-        if not self.triton_fusions and fused is not None and fused.applies(input_ids.shape[0], meta):
+        if embeds is None and not self.triton_fusions and fused is not None and fused.applies(input_ids.shape[0], meta):
             return fused(input_ids, positions, kv_caches, meta)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if embeds is None else embeds
         if self.triton_fusions:
             return self._triton_layers(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -19,6 +19,7 @@ from engine.attention.backend import AttentionBackend
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.vision.llava import checkpoint_part
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # checkpoint suffix -> (our suffix, shard index within the fused tensor)
@@ -92,7 +93,12 @@ def load_model(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_po
             for ckpt_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if _IGNORED.search(ckpt_name):
                     continue
-                target, shard = _map_name(ckpt_name)
+                text_name = ckpt_name
+                if cfg.vision is not None:  # a LLaVA folder: the vision half loads in engine.vision.llava
+                    part, text_name = checkpoint_part(ckpt_name)
+                    if part == "vision":
+                        continue
+                target, shard = _map_name(text_name)
                 if target not in params:
                     if target == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints still store a copy

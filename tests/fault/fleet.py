@@ -111,6 +111,13 @@ class Fleet:
         self._send(run, sig)
         return run.process
 
+    def expect_exit(self, worker_id: str) -> None:
+        """The test is about to make `worker_id` exit on its own (e.g. by killing one of its children):
+        its exit then counts as caused, like a signal the fleet sent, not as a crash."""
+        run = next(r for r in reversed(self.runs) if r.worker_id == worker_id)
+        run.serving = run.process.ready() is not None
+        run.signalled = signal.SIGKILL
+
     def _send(self, run: _Run, sig: int) -> None:
         run.serving = run.process.ready() is not None
         run.signalled = sig

@@ -1,4 +1,4 @@
-"""SmolLM2 (fp32): greedy tokens with prompt-lookup drafts equal the tokens without them.
+"""SmolLM2 (fp32): greedy tokens with prompt-lookup or draft-model drafts equal the tokens without them.
 
 Copy-heavy prompts (correct a transcript chunk, quote a document) next to free
 chat, as one batch; then under preemption (a KV pool too small for the batch)
@@ -38,12 +38,14 @@ def baseline():
     return prompts, llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, logprobs=5))
 
 
-@pytest.mark.parametrize("variant", ["batch", "preemption", "prefix-cache"])
+@pytest.mark.parametrize("variant", ["batch", "preemption", "prefix-cache", "draft-model"])
 def test_smollm2_greedy_tokens_with_drafts_equal_without(baseline, variant):
     prompts, ref = baseline
     assert len(ASR_CHUNKS) >= 3
     options = dict(kv_cache_memory_bytes=24 * 2**20) if variant == "preemption" else {}
-    llm = LLM(model="smollm2", dtype="float32", **options, **SPEC)
+    # SmolLM2 has no smaller sibling here: as its own draft model, the drafts are its own greedy tokens.
+    spec = dict(SPEC, speculative_method="draft_model", draft_model="smollm2") if variant == "draft-model" else SPEC
+    llm = LLM(model="smollm2", dtype="float32", **options, **spec)
     params = SamplingParams(max_tokens=64, temperature=0)
     if variant == "prefix-cache":
         llm.generate(prompts, params)

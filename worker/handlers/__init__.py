@@ -22,6 +22,8 @@ class Work:
     params: SamplingParams
     mask: MaskSpec = CAUSAL
     stream: bool = False  # publish this job's text deltas
+    images: tuple = ()  # engine ImageInputs for the prompt's image placeholders, in order
+    image_positions: int = 0  # prompt positions the placeholders add when the engine expands them
 
 
 @dataclass
@@ -52,3 +54,4 @@ class HandlerContext:
     config: Any
     redis: Any = None
     metrics: Any = None
+    images: Any = None  # worker.handlers.images.ImageReader for a vision model; None: text only

@@ -26,8 +26,7 @@ from schemas import AsrRequest, Result, SchemaError, Usage, decode_result, encod
 from worker.handlers import HandlerContext, Prepared, Work
 from worker.state import StateUnavailable
 
-INSTRUCTION = ("You correct speech-recognition transcripts. Fix misheard words, casing and punctuation in the new "
-               "chunk so it reads well after the transcript so far. Reply with the corrected chunk only.")
+INSTRUCTION = "Rewrite this speech transcript with correct capitalization and punctuation. Keep every word."
 CHUNK_MARK = "\x00CHUNK\x00"
 
 
@@ -83,9 +82,7 @@ class AsrHandler:
 
     def _prompt(self, ctx: HandlerContext, committed: str, chunk: str) -> tuple[list[int], MaskSpec]:
         tok = ctx.tokenizer
-        messages = [{"role": "system", "content": INSTRUCTION},
-                    {"role": "user", "content": f"Transcript so far: {committed}\nNew chunk: {CHUNK_MARK}"}]
-        head, _, tail = tok.apply_chat_template(messages).partition(CHUNK_MARK)
+        head, _, tail = tok.apply_chat_template(prompt_messages(committed, CHUNK_MARK)).partition(CHUNK_MARK)
         head_ids = tok.encode(head, add_special_tokens=False)
         chunk_ids = tok.encode(chunk, add_special_tokens=False)
         tail_ids = tok.encode(tail, add_special_tokens=False)
@@ -128,6 +125,14 @@ class AsrHandler:
         if event is not None:
             event.set()
         return result
+
+
+def prompt_messages(committed: str, chunk: str) -> list[dict]:
+    """The chat that asks for a chunk's correction. The committed transcript comes first, so its KV is a
+    prefix shared with the stream's next chunk; the instruction and the chunk come last, which small models
+    answer by copying the chunk with fixes (a transcript-then-"new chunk" layout made them describe it)."""
+    return [{"role": "system", "content": f"The transcript so far: {committed}".rstrip()},
+            {"role": "user", "content": f"{INSTRUCTION}\n\n{chunk}"}]
 
 
 _WORD = re.compile(r"[\w']+")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from engine import RequestError, RequestOutput, SamplingParams
 from schemas import ChatRequest, Compliance, Result, Usage, Violation
 from worker.handlers import HandlerContext, Prepared, Work
+from worker.handlers.images import image_parts, template_messages
 from worker.rules import STRICT_LINE, RuleError, RuleSet
 
 
@@ -39,10 +40,11 @@ def encode_chat(messages: list[dict[str, str]], ctx: HandlerContext) -> list[int
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
-def check_length(token_ids: list[int], ctx: HandlerContext) -> None:
-    if len(token_ids) >= ctx.max_model_len:
+def check_length(token_ids: list[int], ctx: HandlerContext, image_positions: int = 0) -> None:
+    """`image_positions`: how many positions the image placeholders add when they expand."""
+    if len(token_ids) + image_positions >= ctx.max_model_len:
         raise RequestError(
-            f"the prompt has {len(token_ids)} tokens; max_seq_len is {ctx.max_model_len}",
+            f"the prompt has {len(token_ids) + image_positions} tokens; max_seq_len is {ctx.max_model_len}",
             code="prompt_too_long",
         )
 
@@ -53,6 +55,7 @@ class ChatState:
     context: str
     attempt: int = 0
     first_violations: tuple[str, ...] = ()
+    images: tuple = ()  # engine ImageInputs, in prompt order; a repair attempt reuses them
 
 
 class ChatHandler:
@@ -68,7 +71,7 @@ class ChatHandler:
             raise RequestError(str(exc), code="invalid_request") from exc
 
     def _work(self, req: ChatRequest, ctx: HandlerContext, state: ChatState, extra: tuple[str, ...] = ()) -> Work:
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        messages = template_messages(req, ctx.images.placeholder if ctx.images else None)
         if state.rules:
             block = state.rules.prompt_block(extra)
             if messages[0]["role"] == "system":
@@ -76,15 +79,18 @@ class ChatHandler:
             else:
                 messages.insert(0, {"role": "system", "content": block})
         token_ids = encode_chat(messages, ctx)
-        check_length(token_ids, ctx)
+        extra = len(state.images) * (ctx.images.positions_per_image - 1) if state.images else 0
+        check_length(token_ids, ctx, extra)
         deterministic = req.deterministic if req.deterministic is not None else ctx.config.execution.deterministic
         params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic,
                                      speculative=ctx.config.speculative.chat)
         # A repair attempt streams nothing: the first attempt's deltas were already sent.
-        return Work(token_ids, params, stream=req.stream and state.attempt == 0)
+        return Work(token_ids, params, stream=req.stream and state.attempt == 0, images=state.images,
+                    image_positions=extra)
 
     async def prepare(self, req: ChatRequest, ctx: HandlerContext) -> Prepared:
-        state = ChatState(self._rules(req, ctx), "\n".join(m.content for m in req.messages))
+        images = await ctx.images.read(req) if ctx.images else tuple(image_parts(req, None))
+        state = ChatState(self._rules(req, ctx), "\n".join(m.text for m in req.messages), images=images)
         return Prepared(work=[self._work(req, ctx, state)], state=state)
 
     async def finish(self, req: ChatRequest, prepared: Prepared, outputs: list[RequestOutput],
@@ -99,7 +105,8 @@ class ChatHandler:
                     ctx.metrics.inc_rule_violation(v.rule)
             if violations and state.attempt == 0 and ctx.config.chat.repair_policy == "regenerate":
                 broken = "; ".join(sorted({v.rule for v in violations}))
-                retry = ChatState(state.rules, state.context, attempt=1, first_violations=tuple(v.rule for v in violations))
+                retry = ChatState(state.rules, state.context, attempt=1, first_violations=tuple(v.rule for v in violations),
+                                  images=state.images)
                 return Prepared(work=[self._work(req, ctx, retry, (STRICT_LINE.format(broken=broken),))], state=retry)
             compliance = Compliance(passed=not violations,
                                     violations=[Violation(rule=v.rule, detail=v.detail) for v in violations])

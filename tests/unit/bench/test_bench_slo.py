@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from bench.slo import Slo, Step, Timings, arrivals, goodput
+from bench.slo import Slo, Step, Timings, arrivals, goodput, step_of
 
 
 def test_arrivals_are_a_seeded_poisson_process_at_the_rate():
@@ -65,3 +65,11 @@ def test_merged_runs_take_each_system_from_the_last_file_that_has_it(tmp_path):
     steps, merged_slo = merge_runs([a, b])
     assert [(s.system, s.rate) for s in steps] == [("ours", 1.0), ("ours", 2.0), ("ceiling", 1.0), ("ceiling", 3.0)]
     assert merged_slo.e2e_p99_s == 20.0 and steps[0].timings["r0"].tokens == 5
+
+
+def test_every_system_at_one_step_gets_the_same_prompts_and_each_step_its_own():
+    # The prompts' seed comes from the step alone: a long-lived worker must not meet a prompt from an earlier
+    # step (its prefix cache would hit), while the systems compared at one step must see the same text.
+    assert step_of("dynamic_bucket-1.5") == step_of("ceiling-1.5") == step_of("hf-1.5") == "1.5"
+    assert step_of("fifo-overload") == "overload"
+    assert len({step_of(f"direct-{r:g}") for r in (0.25, 0.5, 1, 1.5, 2, 3)}) == 6

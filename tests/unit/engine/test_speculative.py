@@ -147,6 +147,32 @@ def test_greedy_with_drafts_through_the_one_call_decoder(tiny_llama, baseline, d
     assert_same_greedy(baseline, outs)
 
 
+def test_drafted_rows_are_never_split_over_threads(tiny_llama, baseline, monkeypatch):
+    # A draft's rows read each other's K/V inside a layer, so a step with drafts keeps all rows in one group,
+    # whatever split_rows says; steps without drafts still split (a race would be timing-dependent, so the
+    # test checks the split the kernel is asked for).
+    from engine.kernels.cpu_build import cpu_kernels
+    from engine.models.fused_decode import FusedDecoder
+
+    ops = cpu_kernels()
+    assert ops is not None, "the C++ kernels did not build"
+    real_kernel, real_run, drafted, splits = ops.decode_layers, FusedDecoder.run_layers, [], []
+
+    def run_layers(self, x, positions, kv_caches, meta, token_table=None):
+        drafted.append(meta.multi_row_decodes)
+        return real_run(self, x, positions, kv_caches, meta, token_table)
+
+    monkeypatch.setattr(FusedDecoder, "run_layers", run_layers)
+    monkeypatch.setattr(ops, "decode_layers", lambda *a: splits.append(a[-1]) or real_kernel(*a))
+    outs, engine = generate(tiny_llama, copy_prompts(), GREEDY, num_kv_blocks=256, cpu_prepack_weights=True,
+                            cpu_decode_split_rows=1, **SPEC)
+    assert engine.model.fused_decoder is not None
+    assert len(drafted) == len(splits) and any(drafted) and not all(drafted)
+    assert all(split >= 1 << 30 for d, split in zip(drafted, splits, strict=True) if d)
+    assert all(split == 1 for d, split in zip(drafted, splits, strict=True) if not d)
+    assert_same_greedy(baseline, outs)
+
+
 def test_greedy_with_drafts_with_int8_kv_and_a_bidirectional_chunk(tiny_llama):
     prompts = copy_prompts()[:3]
     masks = [MaskSpec("chunk_bidirectional", start=4, end=30), MaskSpec(), MaskSpec("chunk_bidirectional", 2, 9)]
@@ -291,6 +317,10 @@ def test_service_config_maps_speculation_into_the_engine_and_chat_opts_in():
     assert (engine.speculative_method, engine.num_speculative_tokens, engine.prompt_lookup_max,
             engine.prompt_lookup_min) == ("prompt_lookup", 3, 5, 3)
     assert ServiceConfig().engine_config().speculative_method is None
+    drafted = ServiceConfig(speculative=SpeculativeConfig(method="draft_model", draft_model="smollm2",
+                                                          draft_kv_cache_bytes=64 << 20)).engine_config()
+    assert (drafted.speculative_method, drafted.draft_model, drafted.draft_kv_cache_bytes) == (
+        "draft_model", "smollm2", 64 << 20)
     with pytest.raises(InvalidRequestError, match="n_min: must be <= n"):
         SpeculativeConfig(n=2, n_min=3)
     with pytest.raises(ConfigError, match=r"speculative\.n_min"):

@@ -35,6 +35,9 @@ class StepCounter:
     def take_kv_events(self):
         return []
 
+    def check_health(self) -> None:
+        pass
+
 
 def test_calls_run_in_order_on_one_thread_and_errors_reach_the_caller():
     t = EngineThread()

@@ -168,7 +168,7 @@ def test_an_unknown_outcome_resyncs_and_fencing_waits_before_trying_again():
 def test_unread_fenced_futures_are_not_logged_as_errors_and_other_loop_errors_still_are():
     from aiokafka.errors import ProducerFenced
 
-    from worker.service import quiet_fenced_futures
+    from worker.lifecycle import quiet_fenced_futures
 
     class Loop:
         def __init__(self) -> None:

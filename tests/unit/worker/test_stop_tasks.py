@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from worker.service import stop_tasks
+from worker.lifecycle import stop_tasks
 
 
 async def _swallows(times: int, stopped: list[str]) -> None:
