@@ -173,6 +173,27 @@ def test_drafted_rows_are_never_split_over_threads(tiny_llama, baseline, monkeyp
     assert_same_greedy(baseline, outs)
 
 
+def test_greedy_with_drafts_through_bucketed_decode_graphs(tiny_llama, baseline):
+    # A drafted request's rows are decode rows, so a step with drafts replays the captured decode graph of
+    # the bucket that holds all its rows (padded). Here the same padding runs eagerly, as on a GPU it replays.
+    import torch
+
+    from engine.cuda_graphs import DecodeGraphs
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8, num_kv_blocks=256, **SPEC)
+    eng = llm.engine
+    graphs = DecodeGraphs(eng.model, eng.kv_caches, 8, scratch_block=eng.layout.num_blocks,
+                          max_blocks=eng.max_model_len // 8, max_batch=32, device=torch.device("cpu"),
+                          use_graphs=False)
+    real, rows = graphs.run, []
+    graphs.run = lambda ids, *a: rows.append(ids.shape[0]) or real(ids, *a)
+    eng.runner.graphs = graphs
+    outs = llm.generate(copy_prompts(), GREEDY)
+    assert eng.last_stats.spec_accepted_tokens > 0
+    assert max(rows) > len(copy_prompts())  # steps with drafts went through the graph path
+    assert_same_greedy(baseline, outs)
+
+
 def test_greedy_with_drafts_with_int8_kv_and_a_bidirectional_chunk(tiny_llama):
     prompts = copy_prompts()[:3]
     masks = [MaskSpec("chunk_bidirectional", start=4, end=30), MaskSpec(), MaskSpec("chunk_bidirectional", 2, 9)]
