@@ -30,8 +30,10 @@ class Tokenizer:
         cfg_path = Path(folder) / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_template: str | None = self.config.get("chat_template")
+        # A chat_template.jinja in the folder wins over tokenizer_config.json's template: it is how a
+        # deployment replaces a template the renderer cannot take (llava-1.5's list-content one).
         template_file = Path(folder) / "chat_template.jinja"
-        if self.chat_template is None and template_file.is_file():
+        if template_file.is_file():
             self.chat_template = template_file.read_text()
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
