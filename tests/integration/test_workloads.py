@@ -57,7 +57,9 @@ def asr(stream: str, seq: int, text: str, rid: str | None = None) -> AsrRequest:
     return AsrRequest(id=rid or f"{stream}-{seq}", stream_id=stream, seq=seq, text=text)
 
 
-CHUNKS = ["so the meeting is at ten thirty", "on tuesday in the main conference room", "please bring the budget report"]
+# The first chunk is long enough that the committed transcript fills a KV block (16 tokens) before chunk 2.
+CHUNKS = ["okay so the meeting is moved to tuesday at ten thirty in the main conference room with the finance team",
+          "please bring the budget report", "and the slides for the quarterly review"]
 
 
 @PIPELINED

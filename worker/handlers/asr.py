@@ -9,9 +9,9 @@ arrive in order on one partition; still:
   predecessor is committed, here or on another worker, or until
   `asr.gap_timeout_s`, then gets `sequence_gap`.
 The prompt puts the committed transcript before the new chunk, so the KV of
-the transcript comes from the prefix cache on the worker that holds the
-stream; per chunk only the previous correction and the new chunk are
-prefilled.
+the transcript's full blocks comes from the prefix cache on the worker that
+holds the stream; per chunk only the transcript's last partial block, the
+previous correction, the instruction and the new chunk are prefilled.
 """
 
 from __future__ import annotations
