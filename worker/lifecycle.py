@@ -1,18 +1,25 @@
-"""What the worker's start and shutdown use beside the wiring: its clients, its id, task stopping, and the
-event loop's handling of fenced producers' leftover futures."""
+"""What the worker's start and shutdown use beside the wiring: the engine, the handlers, the clients and
+their closing, its id, task stopping, and the event loop's handling of fenced producers' leftover futures."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import ProducerFenced
 
+from worker.handlers import Handler, HandlerContext
+from worker.handlers.asr import AsrHandler
+from worker.handlers.chat import ChatHandler
+from worker.handlers.images import ImageReader
+from worker.handlers.risk import RiskHandler
 from worker.kafka_clients import consumer_kwargs, producer_kwargs
 from worker.metrics import WorkerMetrics
 from worker.publisher import AtLeastOncePublisher, DeltaPublisher, TransactionalPublisher
@@ -30,6 +37,27 @@ class Clients:
     deltas: DeltaPublisher
     consumer: AIOKafkaConsumer
     publisher: TransactionalPublisher | AtLeastOncePublisher
+
+
+def build_engine(thread, cfg):
+    """The engine, built on the thread that will step it (engine_loop.EngineThread says why)."""
+    from engine import EngineCore
+
+    try:
+        return thread.call(EngineCore, cfg.engine_config()).result()
+    except BaseException:
+        thread.close()
+        raise
+
+
+def build_handlers(engine, cfg, worker_id: str, metrics: WorkerMetrics) -> tuple[dict[str, Handler], HandlerContext]:
+    """One handler per request kind, and the context they share (the Redis client is set at start)."""
+    ctx = HandlerContext(
+        tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens, worker_id=worker_id,
+        model_name=cfg.model.name, config=cfg, metrics=metrics, images=ImageReader.for_engine(engine, cfg.chat),
+    )
+    return {"chat": ChatHandler(), "risk": RiskHandler(), "asr": AsrHandler()}, ctx
 
 
 def build_clients(cfg, worker_id: str, metrics: WorkerMetrics, *, load_fn) -> Clients:
@@ -51,6 +79,13 @@ def build_clients(cfg, worker_id: str, metrics: WorkerMetrics, *, load_fn) -> Cl
     else:
         publisher = AtLeastOncePublisher(to_produce, consumer.commit, metrics.inc_kafka_transaction)
     return Clients(redis, DeltaPublisher(to_produce, on_error=lambda: None), consumer, publisher)
+
+
+async def close_quietly(*closers: Callable[[], Awaitable]) -> None:
+    """Close each client in order: one that fails to close must not keep the next from closing."""
+    for close in closers:
+        with contextlib.suppress(Exception):
+            await close()
 
 
 def default_worker_id() -> str:

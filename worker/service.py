@@ -27,11 +27,6 @@ from worker.batcher import make_batcher
 from worker.completion import Completion
 from worker.engine_loop import EngineEvent, EngineLoop, EngineThread
 from worker.flusher import Flusher
-from worker.handlers import Handler, HandlerContext
-from worker.handlers.asr import AsrHandler
-from worker.handlers.chat import ChatHandler
-from worker.handlers.images import ImageReader
-from worker.handlers.risk import RiskHandler
 from worker.health import Health
 from worker.http import HealthServer
 from worker.inflight import InFlightTable
@@ -39,6 +34,9 @@ from worker.intake import Intake
 from worker.kafka_clients import check_kafka_access
 from worker.lifecycle import (
     build_clients,
+    build_engine,
+    build_handlers,
+    close_quietly,
     default_worker_id,
     package_version,
     quiet_fenced_futures,
@@ -65,26 +63,13 @@ class Worker:
         self.config = config
         self.worker_id = worker_id or config.worker.id or default_worker_id()
         self.metrics = WorkerMetrics(registry)
-        # Built on the thread that will step it (EngineThread says why).
         self._engine_thread = EngineThread()
-        if engine is None:
-            try:
-                engine = self._engine_thread.call(EngineCore, config.engine_config()).result()
-            except BaseException:
-                self._engine_thread.close()
-                raise
-        self.engine = engine
+        self.engine = engine if engine is not None else build_engine(self._engine_thread, config)
         self.model_name = config.model.name
         self.metrics.set_worker_info(self.worker_id, self.model_name, package_version())
         self.metrics.declare_label_values(topics=config.topics.request_topics.values(), redis_ops=REDIS_OPS,
                                           rules=RULE_KINDS)
-        self.handlers: dict[str, Handler] = {"chat": ChatHandler(), "risk": RiskHandler(), "asr": AsrHandler()}
-        self.ctx = HandlerContext(
-            tokenizer=self.engine.tokenizer, max_model_len=self.engine.max_model_len,
-            max_num_batched_tokens=self.engine.config.max_num_batched_tokens, worker_id=self.worker_id,
-            model_name=self.model_name, config=config, metrics=self.metrics,
-            images=ImageReader.for_engine(self.engine, config.chat),
-        )
+        self.handlers, self.ctx = build_handlers(self.engine, config, self.worker_id, self.metrics)
         self.batcher = make_batcher(
             config.execution.batcher, max_seq_len=self.engine.max_model_len,
             max_batch_size=config.execution.max_batch_size, batch_timeout_s=config.execution.batch_timeout,
@@ -220,10 +205,7 @@ class Worker:
         log.info("shutting down", in_flight=len(self.inflight), timeout_s=timeout)
         deadline = time.monotonic() + timeout  # the drain's bound counts from the signal
         self._stopping.set()
-        consume = next((t for t in self._tasks if t.get_name() == "consume"), None)
-        if consume:
-            consume.cancel()
-            await asyncio.gather(consume, return_exceptions=True)
+        await stop_tasks([t for t in self._tasks if t.get_name() == "consume"], timeout_s=5.0)
         self.inflight.drain()
         while ((len(self.inflight) or self.intake.preparing) and time.monotonic() < deadline
                and self.engine_loop.alive):  # a dead engine finishes nothing: no reason to wait
@@ -244,12 +226,7 @@ class Worker:
         if self.stuck_tasks:
             log.error("tasks did not stop after repeated cancellation; the process will exit without them",
                       tasks=self.stuck_tasks)
-        with contextlib.suppress(Exception):
-            await self.publisher.close()
-        with contextlib.suppress(Exception):
-            await self.deltas.close()
-        with contextlib.suppress(Exception):
-            await self.redis.stop()
+        await close_quietly(self.publisher.close, self.deltas.close, self.redis.stop)
         self.engine_loop.stop()
         if not self.engine_loop.alive:  # never under a step that is still running
             self.engine.close()  # the tensor-parallel ranks, if any
