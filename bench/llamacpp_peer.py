@@ -8,6 +8,7 @@ environment is missing the peer is reported as not run, with the command that cr
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -16,7 +17,8 @@ from pathlib import Path
 from engine import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".venv-llamacpp"
+# LLAMACPP_VENV picks another build, e.g. one made with CMAKE_ARGS for AVX2 only (bench/llamacpp_env.sh).
+VENV = Path(os.environ.get("LLAMACPP_VENV", REPO / ".venv-llamacpp")).resolve()
 ENV_SCRIPT = "bench/llamacpp_env.sh"
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
@@ -72,6 +74,16 @@ def engine_rates(llm: LLM, prefill_prompt: list[int], decode_prompt: list[int], 
         out.append({"prefill_tok_s": len(prefill_prompt) / prefill_s,
                     "decode_tok_s": (len(tokens) - 1) / (time.perf_counter() - t1)})
     return {"rounds": out, "tokens": tokens, **medians(out)}
+
+
+def simd_path(system_info: str) -> str:
+    """The widest x86 SIMD path in llama.cpp's system info ("... | AVX2 = 1 | ... | AVX512 = 0 | ...")."""
+    flags = {k.strip(): v.strip() for k, _, v in (part.partition("=") for part in system_info.split("|"))}
+    flags = {k.split(":")[-1].strip(): v for k, v in flags.items()}
+    for name, label in (("AVX512", "AVX-512"), ("AVX2", "AVX2")):
+        if flags.get(name) == "1":
+            return label
+    return "no AVX2"
 
 
 def medians(rounds: list[dict]) -> dict:

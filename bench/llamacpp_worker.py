@@ -39,7 +39,9 @@ def main() -> None:
                 break
         decode_s = time.perf_counter() - t1
         rounds.append({"prefill_tok_s": len(prefill) / prefill_s, "decode_tok_s": (len(tokens) - 1) / decode_s})
-    print(json.dumps({"version": llama_cpp.__version__, "rounds": rounds, "tokens": tokens}))
+    # The features this build uses (e.g. "AVX2 = 1 | AVX512 = 0"): which SIMD path the peer row ran.
+    system = llama_cpp.llama_print_system_info().decode(errors="replace")
+    print(json.dumps({"version": llama_cpp.__version__, "system_info": system, "rounds": rounds, "tokens": tokens}))
 
 
 if __name__ == "__main__":

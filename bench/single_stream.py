@@ -179,7 +179,9 @@ def peer_section(args, data: dict, text_ids: list[int]) -> None:
         rows.append(("llama.cpp: NOT RUN", "-", "-", "-", f"missing .venv-llamacpp: run {llamacpp_peer.ENV_SCRIPT}"))
     else:
         same = lc["tokens"][:len(engine["tokens"])] == engine["tokens"][:len(lc["tokens"])]
-        rows.append((f"llama.cpp {lc['version']} (llama-cpp-python, built from source)", f"{lc['decode_tok_s']:.1f}",
+        simd = llamacpp_peer.simd_path(lc.get("system_info", ""))
+        rows.append((f"llama.cpp {lc['version']} (llama-cpp-python, built from source, {simd} build)",
+                     f"{lc['decode_tok_s']:.1f}",
                      f"{lc['prefill_tok_s']:.0f}", f"{engine['decode_tok_s'] / lc['decode_tok_s']:.2f}x",
                      f"{engine['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x"))
         peer["same_greedy_tokens"] = same

@@ -762,6 +762,9 @@ def main() -> None:
     suffix = "-quick" if args.quick else ""
     suffix += "-no-prepack" if args.no_prepack else ""
     suffix += "-engine-only" if args.skip_hf else ""
+    from engine.kernels.cpu_build import host_isa
+
+    suffix += f"-{isa}" if isa != host_isa() else ""  # a capped ISA (INFINILM_CPU_ISA) is not the host's figure
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     path = resolve_model("smollm2")

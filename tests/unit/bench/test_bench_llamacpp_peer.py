@@ -22,3 +22,13 @@ def test_engine_rates_time_a_prefill_and_the_decode_steps(tmp_path):
     rates = llamacpp_peer.engine_rates(llm, list(range(3, 103)), list(range(3, 20)), decode_tokens=6, rounds=2)
     assert len(rates["rounds"]) == 2 and len(rates["tokens"]) == 7
     assert rates["prefill_tok_s"] > 0 and rates["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize(("info", "path"), [
+    ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | AVX512_VBMI = 1 | ", "AVX-512"),
+    ("CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 0 | LLAMAFILE = 1 | ", "AVX2"),
+    ("AVX = 1 | AVX2 = 0 | ", "no AVX2"),
+    ("", "no AVX2"),
+])
+def test_the_peer_row_names_the_simd_path_of_the_llamacpp_build(info, path):
+    assert llamacpp_peer.simd_path(info) == path
