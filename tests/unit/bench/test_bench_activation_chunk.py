@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM
 from engine.models.llama import ActivationWorkspace
 
 
+@pytest.mark.slow
 def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny_llama):
     from bench.kernels import activation_chunk
 
@@ -33,6 +35,7 @@ def test_a_round_sums_its_prefill_steps_and_the_arms_sample_the_same_tokens(tiny
     assert results[16][2] == results[0][2]
 
 
+@pytest.mark.slow
 def test_the_workload_rounds_alternate_the_arms_and_compare_their_tokens(tiny_llama):
     from bench.kernels import activation_chunk
     from bench.throughput import Workload

@@ -46,6 +46,7 @@ def test_torch_rope_in_place_is_bitwise_equal_to_out_of_place():
     assert torch.equal(qkv[:, :128].reshape(37, 4, 32), want_q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch_fixture", ["tiny_llama"])
 def test_chunked_mlp_matches_one_pass(request, arch_fixture):
     path = request.getfixturevalue(arch_fixture)
@@ -92,6 +93,7 @@ def test_mlp_writes_into_the_workspace(tiny_llama):
     torch.testing.assert_close(ws.gate_up[:8, :mlp.intermediate], torch.nn.functional.silu(gate) * up)
 
 
+@pytest.mark.slow
 def test_quantized_model_runs_chunked(tiny_llama):
     a = engine(tiny_llama, 0, weight_bits=8).generate(prompts(), PARAMS)
     b = engine(tiny_llama, 16, weight_bits=8).generate(prompts(), PARAMS)
@@ -103,6 +105,7 @@ def test_negative_chunk_rows_is_a_clear_error():
         EngineConfig(activation_chunk_rows=-1)
 
 
+@pytest.mark.slow
 def test_no_workspace_where_no_step_can_outgrow_it(tiny_llama):
     """A workspace only where a step may hold more rows than it (max_num_batched_tokens): the defaults'
     2048-row chunks at a 2048-token budget would never be used, so none is allocated."""

@@ -34,6 +34,7 @@ def run(llm, target_params, others, other_params):
     dict(temperature=0.0),
     dict(temperature=0.9, top_p=0.95, seed=7),
 ])
+@pytest.mark.slow
 def test_same_tokens_and_bitwise_logprobs_alone_and_in_any_mix(llm, sampling):
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3, deterministic=True, **sampling)
     filler = SamplingParams(max_tokens=9, temperature=0.7, ignore_eos=True)

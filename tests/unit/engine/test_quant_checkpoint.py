@@ -26,6 +26,7 @@ def quantize(src, out, *extra: str):
     return runner.invoke(app, ["quantize", "--model", str(src), "--out", str(out), *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantize_then_load_equals_load_time_quantization(tiny_llama, tmp_path, bits):
     out = tmp_path / f"q{bits}"
@@ -78,6 +79,7 @@ def test_uncalibrated_quantization_is_marked_and_differs_from_calibrated(tiny_ll
     assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith("scales"))
 
 
+@pytest.mark.slow
 def test_eval_ppl_reports_json(tiny_llama, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 12)

@@ -100,6 +100,7 @@ def test_greedy_with_drafts_equals_without(tiny_llama, baseline):
     assert_same_greedy(baseline, outs)
 
 
+@pytest.mark.slow
 def test_streamed_deltas_carry_every_accepted_token_in_order(tiny_llama):
     llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8, **SPEC)
     prompt = copy_prompts()[0]
@@ -194,6 +195,7 @@ def test_greedy_with_drafts_through_bucketed_decode_graphs(tiny_llama, baseline)
     assert_same_greedy(baseline, outs)
 
 
+@pytest.mark.slow
 def test_greedy_with_drafts_with_int8_kv_and_a_bidirectional_chunk(tiny_llama):
     prompts = copy_prompts()[:3]
     masks = [MaskSpec("chunk_bidirectional", start=4, end=30), MaskSpec(), MaskSpec("chunk_bidirectional", 2, 9)]
@@ -203,6 +205,7 @@ def test_greedy_with_drafts_with_int8_kv_and_a_bidirectional_chunk(tiny_llama):
     assert_same_greedy(ref, outs)
 
 
+@pytest.mark.slow
 def test_stops_inside_an_accepted_run_truncate_it(tiny_llama, baseline):
     # Stop at a token the baseline emits mid-run, and cap max_tokens at an odd length.
     stop_at = baseline[0].token_ids[17]
@@ -214,6 +217,7 @@ def test_stops_inside_an_accepted_run_truncate_it(tiny_llama, baseline):
         assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
 
 
+@pytest.mark.slow
 def test_stop_string_inside_an_accepted_run(tiny_llama, baseline):
     llm = LLM(model=str(tiny_llama), dtype="float32", block_size=8)
     text = llm.tokenizer.decode(baseline[0].token_ids)

@@ -52,6 +52,7 @@ def test_the_target_as_its_own_draft_is_nearly_always_accepted(tiny_llama, basel
     assert_same_greedy(baseline, outs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["batch", "preemption", "small-budget", "prefix-cache"])
 def test_greedy_with_a_draft_model_equals_without(tiny_llama, other_draft, baseline, variant):
     options = {"batch": dict(num_kv_blocks=256), "preemption": dict(num_kv_blocks=40),

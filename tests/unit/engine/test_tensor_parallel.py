@@ -159,6 +159,7 @@ def _run(path, tp: int, options: dict):
         return outs, engine.scheduler.num_preemptions, engine.block_manager.prefix_hits, down
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_greedy_tokens_and_logprobs_of_one(variant):
     path, options, linear = variant
     one, preempted_1, hits_1, down_1 = _run(path, 1, options)
