@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from bench.gpu_check import TINY, write_config_only
@@ -22,6 +23,7 @@ def _engine(**options) -> EngineCore:
                                    load_format="dummy", max_model_len=256, **options))
 
 
+@pytest.mark.slow
 def test_decode_weight_bytes_count_codes_and_scales_not_a_bf16_size():
     head = 512 * 128
     assert decode_weight_bytes(_engine()) == (2 * LAYER_WEIGHTS + head + NORMS) * 4
@@ -48,6 +50,7 @@ def test_speedups_and_targets():
     assert math.isclose(roofline(0.002, 3_000_000, 1_000_000, 4e9)["share_of_roofline"], 0.5)
 
 
+@pytest.mark.slow
 def test_engine_rows_dry_run_every_format():
     path = write_config_only(TINY)
     for fmt in FORMATS:
