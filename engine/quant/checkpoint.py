@@ -22,7 +22,6 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import empty_model, safetensors_files
 from engine.quant.convert import FORMAT_VERSION, convert_for_runtime, quantized_buffer_names
-from engine.quant.hf_fp8 import is_external_fp8, load_external_fp8
 
 # Files of the source folder that the quantized folder keeps as they are.
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -62,11 +61,9 @@ def save_quantized(source: Path, out_dir: Path, state_dict: dict[str, torch.Tens
 
 def load_quantized(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                    dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model on the meta device, swap in the quantized modules, assign the tensors. fp8
-    checkpoints of other tools load through engine/quant/hf_fp8.py into the same modules."""
+    """Build the model on the meta device, swap in the quantized modules, assign the tensors. (fp8
+    checkpoints of other tools: engine/quant/hf_fp8.py, into the same modules.)"""
     qconfig = cfg.quantization
-    if is_external_fp8(qconfig):
-        return load_external_fp8(folder, cfg, backend, max_positions, dtype, device)
     if not qconfig or qconfig.get("format_version") != FORMAT_VERSION:
         raise ModelLoadError(f"{folder}: unsupported quantized checkpoint format "
                              f"{qconfig and qconfig.get('format_version')!r}; expected {FORMAT_VERSION}")

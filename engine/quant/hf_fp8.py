@@ -30,6 +30,8 @@ from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import _FUSED, _IGNORED, _map_name, safetensors_files
+from engine.quant.checkpoint import build_quantized_model
+from engine.quant.convert import FORMAT_VERSION
 from engine.quant.quantizers import FP8_DTYPE, fp8_scales, quantize_fp8
 
 # Checkpoint tensors with no counterpart here: static activation scales, and KV-cache scales.
@@ -90,9 +92,6 @@ def channel_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
 def load_external_fp8(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                       dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """An fp8 checkpoint in either layout, as Fp8Linear layers; what it left in full precision stays so."""
-    from engine.quant.checkpoint import build_quantized_model
-    from engine.quant.convert import FORMAT_VERSION
-
     if cfg.vision is not None:
         raise ModelLoadError(f"{folder}: fp8 vision-language checkpoints are not supported")
     block = block_size(cfg.quantization)

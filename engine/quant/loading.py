@@ -33,7 +33,7 @@ from engine.quant.calibration import (
 from engine.quant.checkpoint import build_quantized_model, load_quantized
 from engine.quant.convert import QuantSpec, create_quantized_state_dict, group_for, weight_format
 from engine.quant.fp8 import Fp8Linear, fp8_as_int8, resolve_weight_format
-from engine.quant.hf_fp8 import is_external_fp8
+from engine.quant.hf_fp8 import is_external_fp8, load_external_fp8
 from engine.quant.modules import make_quantized_linear
 from engine.quant.search import quantize_weight
 
@@ -78,7 +78,8 @@ def load_engine_model(config: EngineConfig, folder: Path, mc: ModelConfig, backe
         if config.weight_format == "fp8" and not fp8:
             raise ModelLoadError(f"{folder} holds int{bits} weights; weight_format fp8 needs an fp8 or a "
                                  "full-precision checkpoint")
-        model = load_quantized(folder, mc, backend, max_positions, dtype, device)
+        loader = load_external_fp8 if is_external_fp8(saved) else load_quantized
+        model = loader(folder, mc, backend, max_positions, dtype, device)
         if fp8 and resolve_weight_format(config.weight_format, device) == "int8":
             log.info("%s: %d fp8 linears requantized to int8 per channel for %s", folder, fp8_as_int8(model), device)
         return model
