@@ -96,7 +96,7 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tiny_llama, tmp_path, la
                 assert torch.equal(layer.dequantize(), want)
     for a, b in zip(ref.generate(PROMPTS, GREEDY), fp8.generate(PROMPTS, GREEDY), strict=True):
         assert a.token_ids[:3] == b.token_ids[:3]
-        assert max(abs(s[0] - t[0]) for s, t in zip(a.logprobs[:3], b.logprobs[:3])) < 0.02
+        assert max(abs(s[0] - t[0]) for s, t in zip(a.logprobs[:3], b.logprobs[:3], strict=True)) < 0.02
     # Where int8 is the fast path (auto on the CPU), the fp8 weights are requantized to int8 at load.
     auto = LLM(model=str(fp8_dir), dtype="float32")
     assert isinstance(auto.engine.model.layers[0].mlp.down_proj, Int8Linear)
