@@ -3,7 +3,7 @@
 - `quantize_rows_fp8`: one program per row (token): the row's max |x| gives its scale, max / 448,
   and the row is written as E4M3 codes, x / scale rounded to nearest. The scales feed
   torch._scaled_mm's row-wise scaling (engine/quant/fp8.py).
-- `w8a16_linear`: x @ W^T for int8 W with one fp32 scale per output channel. Each program loads
+- `w8a16_linear`: x @ W^T for int8 (or E4M3) W with one fp32 scale per output channel. Each program loads
   int8 tiles of W, converts them to x's dtype in registers and accumulates in fp32; the row
   scales multiply the accumulator once at the end (they factor out of the sum over K). No
   full-precision copy of W exists at any time.
@@ -75,7 +75,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om
         kk = k0 + rk
         kmask = kk < K
         a = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0)
+        w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
         # int8 -> fp32 -> x's dtype: exact for |q| <= 127, and the path the interpreter converts right.
         acc = tl.dot(a, w.to(tl.float32).to(a.dtype), acc, input_precision=PRECISION)
     acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]

@@ -114,3 +114,14 @@ def test_fp8_gemm_matches_scaled_product(rows):
                           bias.to(DEVICE), out_dtype=torch.float32)
     want = (xq.double() * xs.double()) @ q.dequantize().double().T + bias.double()
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_w8a16_gemm_also_reads_fp8_weights():
+    """fp8 weight-only (W8A16): what bench.gpu_weights times as the fallback for layers whose activations
+    should stay in bf16 (docs/perf/gpu.md, "Weight formats")."""
+    gen = torch.Generator().manual_seed(7)
+    q = quantize_weight(torch.randn(48, 144, generator=gen) * 0.05, 8, None, fp8=True)
+    x = torch.randn(5, 144, generator=gen)
+    got = w8a16_linear(x.to(DEVICE), q.qweight.to(DEVICE), q.scales.to(DEVICE))
+    want = x.double() @ q.dequantize().double().T
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
