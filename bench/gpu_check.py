@@ -20,6 +20,7 @@
    KV) over the device's measured copy bandwidth, against the step's wall time
    and against the captured forward pass alone; the device's idle time between
    steps comes from CUDA events.
+5. Weight formats: bf16, fp8, int8 and int4 weights side by side (bench/gpu_weights.py).
 Each section is timed and guarded: a failure is reported and the rest still
 runs. Prints a table and writes JSON under $OUT (or bench/results/).
 """
@@ -47,7 +48,8 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
-SECTIONS = ("kernels", "decode_sweep", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
+SECTIONS = ("kernels", "decode_sweep", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed",
+            "weight_formats")
 SPEED_SECTIONS = ("llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
 
 
@@ -468,6 +470,9 @@ def run(args) -> dict:
         section(report, "smollm2_speed", started, speed_suite, "smollm2" if smol is not None else "smollm2-shaped",
                 shape_path, device, dtype, smol is None, 128 if quick else 1024, 4 if quick else 32,
                 (8,) if quick else (64,), bw)
+    if "weight_formats" in wanted:  # bf16, fp8, int8 and int4 weights side by side: bench/gpu_weights.py
+        from bench.gpu_weights import weight_formats
+        section(report, "weight_formats", started, weight_formats, device, quick, bw, args.smollm2_gguf)
     report["seconds"] = time.perf_counter() - started
     return report
 

@@ -18,6 +18,9 @@ def ppl_command(
                               help="Model alias, Hugging Face folder, .gguf file, or a folder from `infinilm quantize`."),
     quant: int = typer.Option(16, "--quant", "-q",
                               help="Weight bits: 16 runs the checkpoint as stored; 8 or 4 quantize it while loading."),
+    weight_format: str = typer.Option("auto", "--weight-format",
+                                      help="With --quant 8: fp8, int8, or auto (fp8 on GPUs of compute capability "
+                                           "8.9+, int8 elsewhere)."),
     cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8 (int8)."),
     kv_fp_window: int = typer.Option(0, "--kv-fp-window",
                                      help="With --cache-bits 8: recent rows per sequence kept at full precision."),
@@ -45,8 +48,8 @@ def ppl_command(
     from engine.perplexity import perplexity
 
     try:
-        llm = LLM(model, dtype=dtype, weight_bits=quant, cache_bits=cache_bits, kv_fp_window=kv_fp_window,
-                  calibration_file=str(calib) if calib else None,
+        llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format, cache_bits=cache_bits,
+                  kv_fp_window=kv_fp_window, calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
         raise _fail(str(exc)) from None
@@ -60,7 +63,8 @@ def ppl_command(
                             progress=lambda done, total: bar.update(task, completed=done, total=total))
     seconds = time.perf_counter() - start
     if as_json:
-        typer.echo(json.dumps({"model": model, "weight_bits": quant, "cache_bits": cache_bits,
+        typer.echo(json.dumps({"model": model, "weight_bits": quant, "weight_format": weight_format,
+                               "cache_bits": cache_bits,
                                "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
                                "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
                                "windows": result.num_windows, "context": context, "stride": stride,

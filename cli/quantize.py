@@ -1,5 +1,6 @@
-"""`infinilm quantize`: write a quantized checkpoint (int8 per channel or int4 per group, calibrated
-per layer) that the engine, the worker and `infinilm eval ppl` load like any model folder."""
+"""`infinilm quantize`: write a quantized checkpoint (int8 or fp8 per channel, or int4 per group,
+calibrated per layer) that the engine, the worker and `infinilm eval ppl` load like any model folder.
+fp8 is written in the compressed-tensors layout, which other engines (vLLM) load too."""
 
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ def stage_progress() -> Iterator:
 
 def quantize_command(
     model: str = typer.Option(..., "--model", "-m", help="Model alias (smollm2), Hugging Face folder or .gguf file."),
-    bits: int = typer.Option(..., "--bits", "-b", help="8: int8 per output channel (W8A16); 4: int4 in groups (W4A16)."),
+    bits: int | None = typer.Option(None, "--bits", "-b",
+                                    help="8: int8 per output channel (W8A16); 4: int4 in groups (W4A16). "
+                                         "Needed with --format int; fp8 is 8 bits."),
+    weight_format: str = typer.Option("int", "--format",
+                                      help="int: our layout (int8 or int4); fp8: E4M3 per output channel in the "
+                                           "compressed-tensors layout other engines load too."),
     out: Path = typer.Option(..., "--out", "-o", file_okay=False,
                              help="Folder to write; it must not exist or be empty unless --force."),
     calib: Path | None = typer.Option(
@@ -47,6 +53,14 @@ def quantize_command(
 ) -> None:
     """Quantize a model's weights with per-layer calibration and write a safetensors checkpoint plus
     its quant config (config.json `quantization_config`). Serve it by passing the folder as the model."""
+    if weight_format not in ("int", "fp8"):
+        raise _fail(f"--format must be int or fp8, got {weight_format!r}")
+    fp8 = weight_format == "fp8"
+    if fp8 and bits not in (None, 8):
+        raise _fail(f"--format fp8 is 8 bits; --bits {bits} does not go with it")
+    bits = 8 if fp8 else bits
+    if bits is None:
+        raise _fail("--bits is needed with --format int: 8 or 4")
     if bits not in (8, 4):
         raise _fail(f"--bits must be 8 or 4, got {bits}")
     if bits == 4 and (group_size < 32 or group_size % 32):
@@ -59,6 +73,7 @@ def quantize_command(
     from engine.models.config import ModelConfig
     from engine.quant.checkpoint import save_quantized
     from engine.quant.convert import QuantSpec
+    from engine.quant.hf_fp8 import checkpoint_dtype, to_compressed_tensors
     from engine.quant.loading import quantize_pretrained
     from engine.tokenizer import Tokenizer
 
@@ -68,13 +83,18 @@ def quantize_command(
         mc = ModelConfig.from_folder(folder)
         tokenizer = Tokenizer(folder, mc.eos_token_ids) if (folder / "tokenizer.json").is_file() else None
         with stage_progress() as progress:
-            state, qconfig = quantize_pretrained(folder, mc, QuantSpec(bits, group_size, calibrate), tokenizer,
-                                                 calib, progress=progress)
-        written = save_quantized(folder, out, state, qconfig, overwrite=force)
+            state, qconfig = quantize_pretrained(folder, mc, QuantSpec(bits, group_size, calibrate, fp8=fp8),
+                                                 tokenizer, calib, progress=progress)
+        if fp8:
+            record = {k: qconfig[k] for k in ("calibrated", "calibration")}
+            state, ct_config = to_compressed_tensors(state, qconfig, mc, checkpoint_dtype(folder))
+            written = save_quantized(folder, out, state, ct_config, overwrite=force, record=record)
+        else:
+            written = save_quantized(folder, out, state, qconfig, overwrite=force)
     except (ModelNotFoundError, ModelLoadError, ValueError, FileExistsError) as exc:
         raise _fail(str(exc)) from None
     size = (written / "model.safetensors").stat().st_size
-    typer.echo(f"wrote {written} ({size / 2**20:.1f} MiB, {bits}-bit, "
+    typer.echo(f"wrote {written} ({size / 2**20:.1f} MiB, {'fp8' if fp8 else f'{bits}-bit'}, "
                f"{'calibrated' if qconfig['calibrated'] else 'round-to-nearest'}) "
                f"in {time.perf_counter() - start:.1f}s", err=True)
     typer.echo(str(written))

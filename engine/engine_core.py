@@ -37,7 +37,7 @@ from engine.models.loader import dummy_model, safetensors_files
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.platform_tuning import tune_model
-from engine.quant.loading import load_engine_model
+from engine.quant.loading import load_engine_model, quantize_dummy_model
 from engine.quant.modules import weight_bytes
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -150,6 +150,8 @@ class EngineCore:
                                      mc.head_dim, config.block_size)
         if config.load_format == "dummy":
             model = dummy_model(mc, backend, max_positions, self.dtype, self.device, config.seed)
+            if config.weight_bits != 16:
+                model = quantize_dummy_model(model, config, self.device)
         else:
             model = load_engine_model(config, self.model_path, mc, backend, max_positions, self.dtype,
                                       self.device, self.tokenizer)

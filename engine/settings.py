@@ -121,6 +121,9 @@ class QuantizationSettings(Settings):
     """Weight and KV-cache precision."""
 
     weight_bits: Literal[16, 8, 4] = 16
+    # weight_bits 8: fp8 (E4M3 weights, activations scaled per token: W8A8 on CUDA sm_89+) or int8
+    # (weight-only). auto: fp8 where the GPU multiplies fp8 (sm_89+), int8 elsewhere, the CPU included.
+    weight_format: Literal["auto", "fp8", "int8"] = "auto"
     # int4: inputs per quantization group (a layer whose width it does not divide uses less).
     weight_group_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 128
     cache_bits: Literal[16, 8] = 16
@@ -135,6 +138,8 @@ class QuantizationSettings(Settings):
             require(path.is_file(), "calibration_file", f"file {self.calibration_file} does not exist")
             # Normalized while the struct is built, so every reader sees the same absolute-or-given path.
             msgspec.structs.force_setattr(self, "calibration_file", str(path))
+        require(self.weight_format == "auto" or self.weight_bits == 8, "weight_format",
+                f"{self.weight_format} is an 8-bit weight format; it needs weight_bits: 8, got {self.weight_bits}")
         require(self.kv_fp_window == 0 or self.cache_bits == 8, "kv_fp_window",
                 "keeps recent rows of an int8 KV cache at full precision; it needs cache_bits: 8")
 

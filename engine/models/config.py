@@ -21,6 +21,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+# `quantization_config.quant_method`s that load: our own (engine/quant/checkpoint.py), and fp8 in the
+# layouts other tools publish (engine/quant/hf_fp8.py).
+QUANT_METHODS = ("infinilm", "compressed-tensors", "fp8")
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,10 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported activation {raw['hidden_act']!r}; only silu is implemented")
         quantization = raw.get("quantization_config")
-        if quantization is not None and quantization.get("quant_method") != "infinilm":
+        if quantization is not None and quantization.get("quant_method") not in QUANT_METHODS:
             raise ModelLoadError(f"unsupported quantization method {quantization.get('quant_method')!r}; "
-                                 "only checkpoints written by `infinilm quantize` load quantized")
+                                 "checkpoints written by `infinilm quantize` load quantized, and fp8 ones in the "
+                                 "compressed-tensors or block-wise fp8 layout")
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
             qkv_bias = True

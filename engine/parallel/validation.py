@@ -44,6 +44,9 @@ def check_model(mc: ModelConfig, n: int, weight_bits: int = 16) -> None:
                              "divide the other, so that each rank holds whole KV heads")
     if mc.intermediate_size % n:
         raise ModelLoadError(f"tensor_parallel_size {n} does not divide the MLP width {mc.intermediate_size}")
+    if mc.quantization and mc.quantization.get("quant_method") in ("compressed-tensors", "fp8"):
+        raise ModelLoadError(f"{mc.quantization.get('quant_method')} fp8 checkpoints load with tensor_parallel_size 1 "
+                             f"for now, not {n}")
     if mc.quantization:
         if weight_bits not in (16, mc.quantization["bits"]):
             raise ModelLoadError(f"the checkpoint holds {mc.quantization['bits']}-bit weights but weight_bits "

@@ -26,11 +26,13 @@ from engine.quant.convert import FORMAT_VERSION, convert_for_runtime, quantized_
 # Files of the source folder that the quantized folder keeps as they are.
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
            "chat_template.jinja", "gguf_import.json")
+RECORD_FILE = "infinilm_quantization.json"
 
 
 def save_quantized(source: Path, out_dir: Path, state_dict: dict[str, torch.Tensor], qconfig: dict,
-                   overwrite: bool = False) -> Path:
-    """Write the quantized model folder (atomically: a temporary folder moved into place)."""
+                   overwrite: bool = False, record: dict | None = None) -> Path:
+    """Write the quantized model folder (atomically: a temporary folder moved into place). `record`,
+    when given, goes to RECORD_FILE: how a checkpoint in another tool's layout was made (calibration)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; pass overwrite (--force) to replace it")
@@ -40,6 +42,8 @@ def save_quantized(source: Path, out_dir: Path, state_dict: dict[str, torch.Tens
         config = json.loads((Path(source) / "config.json").read_text())
         config["quantization_config"] = qconfig
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if record is not None:
+            (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
         for name in _COPIED:
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, tmp / name)
@@ -57,7 +61,8 @@ def save_quantized(source: Path, out_dir: Path, state_dict: dict[str, torch.Tens
 
 def load_quantized(folder: Path, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                    dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model on the meta device, swap in the quantized modules, assign the tensors."""
+    """Build the model on the meta device, swap in the quantized modules, assign the tensors. (fp8
+    checkpoints of other tools: engine/quant/hf_fp8.py, into the same modules.)"""
     qconfig = cfg.quantization
     if not qconfig or qconfig.get("format_version") != FORMAT_VERSION:
         raise ModelLoadError(f"{folder}: unsupported quantized checkpoint format "

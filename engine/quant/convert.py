@@ -14,6 +14,7 @@ import torch
 
 from engine.models.llama import LlamaForCausalLM
 from engine.quant.calibration import LayerStats, lm_head_name
+from engine.quant.fp8 import Fp8Linear
 from engine.quant.modules import QuantizedEmbedding, make_quantized_linear
 from engine.quant.quantizers import int4_group_size
 from engine.quant.search import (
@@ -38,13 +39,21 @@ class QuantSpec:
     # int4: GPTQ's error-feedback rounding instead of the per-group clip search. A Python loop per
     # input column: minutes for SmolLM2 on two CPU cores (docs/BENCHMARKS.md, "Quantization").
     error_feedback: bool = False
+    # 8 bits as fp8 (E4M3) codes instead of int8; the LM head and embedding table stay full precision.
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):
             raise ValueError(f"quantization takes 8 or 4 bits, got {self.bits}")
+        if self.fp8 and self.bits != 8:
+            raise ValueError(f"fp8 weights take 8 bits, got {self.bits}")
 
 
-def _group_for(spec: QuantSpec, in_features: int) -> int | None:
+def weight_format(spec: QuantSpec) -> str:
+    return "fp8" if spec.fp8 else f"int{spec.bits}"
+
+
+def group_for(spec: QuantSpec, in_features: int) -> int | None:
     return int4_group_size(in_features, spec.group_size) if spec.bits == 4 else None
 
 
@@ -78,7 +87,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
     def fold(name: str, into: str, rows: slice | None = None) -> None:
         w = sd[f"{name}.weight"]
         st = stats[name]
-        s = search_input_scale(w, spec.bits, _group_for(spec, w.shape[1]), metric(name), st.mean_abs)
+        s = search_input_scale(w, spec.bits, group_for(spec, w.shape[1]), metric(name), st.mean_abs)
         if s is None:
             return
         sd[f"{name}.weight"] = w * s
@@ -90,7 +99,10 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
 
     targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     head = lm_head_name(model)
-    if head == "embed_tokens":
+    if spec.fp8:
+        # W8A8's gain is in the decoder's GEMMs; the head's logits and the table's lookups keep full precision.
+        targets = [n for n in targets if n != head]
+    elif head == "embed_tokens":
         targets.append("embed_tokens")
     # Activation-aware scaling pays for int4 only: int8's perplexity barely moves with it, for twice the
     # quantization time (docs/perf/engine-notes.md).
@@ -110,29 +122,31 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
                 progress(done, total, "scaling")
     for name in targets:
         w = sd.pop(f"{name}.weight")
-        group = _group_for(spec, w.shape[1])
+        group = group_for(spec, w.shape[1])
         if calibrated and name in stats and spec.bits == 4 and spec.error_feedback:
             q = gptq_int4(w, hessian(name), group)
         elif calibrated and name in stats:
-            q = search_clip(w, spec.bits, group, hessian(name), metric(name))
+            q = search_clip(w, spec.bits, group, hessian(name), metric(name), spec.fp8)
         else:
-            q = quantize_weight(w, spec.bits, group)
+            q = quantize_weight(w, spec.bits, group, fp8=spec.fp8)
         prefix = f"{name}.table" if name == "embed_tokens" else name
         sd.update(q.tensors(prefix))
-        modules[name] = {"bits": spec.bits, "group_size": group}
+        modules[name] = {"bits": spec.bits, "group_size": group, "format": weight_format(spec)}
         done += 1
         if progress:
             progress(done, total, "quantizing")
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and not spec.fp8:
         # An untied input table is only looked up, so plain per-row rounding is all it needs.
         w = sd.pop("embed_tokens.weight")
-        q = quantize_weight(w, spec.bits, _group_for(spec, w.shape[1]))
+        q = quantize_weight(w, spec.bits, group_for(spec, w.shape[1]))
         sd.update(q.tensors("embed_tokens.table"))
-        modules["embed_tokens"] = {"bits": spec.bits, "group_size": _group_for(spec, w.shape[1])}
+        modules["embed_tokens"] = {"bits": spec.bits, "group_size": group_for(spec, w.shape[1]),
+                                   "format": weight_format(spec)}
     qconfig = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "bits": spec.bits,
+        "format": weight_format(spec),
         "group_size": spec.group_size if spec.bits == 4 else None,
         "calibrated": calibrated,
         "int4_rounding": ("gptq" if spec.error_feedback else "clip_search") if calibrated and spec.bits == 4 else None,
@@ -143,7 +157,8 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
 
 
 def convert_for_runtime(model: LlamaForCausalLM, qconfig: dict, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Swap in the quantized modules the quant config lists (works on the meta device)."""
+    """Swap in the quantized modules the quant config lists (works on the meta device). A record
+    without a "format" is an integer one (checkpoints from before fp8)."""
     for name, record in qconfig["modules"].items():
         bits, group = int(record["bits"]), record.get("group_size")
         if name == "embed_tokens":
@@ -153,8 +168,11 @@ def convert_for_runtime(model: LlamaForCausalLM, qconfig: dict, dtype: torch.dty
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
-        setattr(parent, attr, make_quantized_linear(old.in_features, old.out_features, old.bias is not None,
-                                                    bits, group))
+        if record.get("format") == "fp8":
+            new = Fp8Linear(old.in_features, old.out_features, old.bias is not None)
+        else:
+            new = make_quantized_linear(old.in_features, old.out_features, old.bias is not None, bits, group)
+        setattr(parent, attr, new)
     return model
 
 

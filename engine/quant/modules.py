@@ -6,6 +6,8 @@ activations, batches of up to `KERNEL_MAX_ROWS` rows (decode) run the C++ kernel
 quantized weights directly; larger batches (prefill) dequantize the weight a slice at a time and
 use the fp32 GEMM, which is faster there (docs/BENCHMARKS.md, "Quantized linear kernels").
 Batch-invariant mode always takes the kernel, whose rows never depend on each other.
+On CUDA, int8 and int4 weights in bf16/fp16 models run Triton weight-only GEMMs that dequantize
+the codes in registers (engine/quant/triton_kernels.py); fp8 weights: engine/quant/fp8.py.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def _kernels():
 def _use_kernel(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and not torch.is_grad_enabled()
             and (x.shape[0] <= KERNEL_MAX_ROWS or invariant_enabled()) and _kernels() is not None)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
 
 
 def _sliced_linear(x: torch.Tensor, n_out: int, bias: torch.Tensor | None,
@@ -65,6 +71,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _use_kernel(x):
             return _kernels().int8_linear(x, self.qweight, self.scales, self.bias)
+        if _use_triton(x):
+            from engine.quant.triton_kernels import w8a16_linear
+
+            return w8a16_linear(x, self.qweight, self.scales, self.bias)
         return _sliced_linear(x, self.out_features, self.bias, self.dequantize)
 
     def extra_repr(self) -> str:
@@ -91,6 +101,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _use_kernel(x):
             return _kernels().int4_linear(x, self.qweight, self.scales, self.offsets, self.bias)
+        if _use_triton(x):
+            from engine.quant.triton_kernels import w4a16_linear
+
+            return w4a16_linear(x, self.qweight, self.scales, self.offsets, self.bias)
         return _sliced_linear(x, self.out_features, self.bias, self.dequantize)
 
     def extra_repr(self) -> str:

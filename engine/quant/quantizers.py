@@ -1,4 +1,4 @@
-"""Weight quantizers: int8 per output channel (symmetric) and int4 per group (asymmetric).
+"""Weight quantizers: int8 and fp8 (E4M3) per output channel (symmetric), int4 per group (asymmetric).
 
 Pure tensor functions, shared by offline quantization, load-time quantization and
 the tests. Every function rounds the scales to the dtype they are stored in
@@ -49,7 +49,37 @@ def quantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codes times their row's scale; also the fp8 dequantization (E4M3 codes convert exactly)."""
     return (qweight.to(dtype) * scales[:, None].to(dtype))
+
+
+# ---- fp8 (E4M3), one fp32 scale per output row ---------------------------------------------------
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite E4M3 value
+
+
+def fp8_scales(weight: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """fp32 scale per row: clip * max|w| / 448 (clip may be one ratio per row)."""
+    absmax = weight.float().abs().amax(dim=1)
+    return (absmax * clip / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_fp8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes, rounded to nearest; values a clip ratio below 1 pushes past 448 saturate."""
+    return (weight.float() / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+# The smallest activation scale: a row of zeros quantizes to zeros instead of dividing by zero.
+ACT_SCALE_MIN = 1e-12
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations per row (token): (E4M3 codes, fp32 scales [..., 1]), scale = max|x| / 448.
+    The torch twin of the Triton kernel engine.quant.triton_kernels.quantize_rows_fp8."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=ACT_SCALE_MIN)
+    return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
 
 
 # ---- int4, one fp16 scale and offset per group of inputs -----------------------------------------

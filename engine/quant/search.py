@@ -12,7 +12,8 @@ channels live and rounding errors correlate) plus the diagonal H leaves once tho
   alpha is searched on the layer's output error, alpha = 0 (no scaling) included.
 - Clipping: a narrower range trades error on outliers for finer steps everywhere else; the ratio
   is chosen per output channel (int8; the error is separable per channel, so this is the exact
-  optimum over the grid) or per group (int4; using the group's block of H, as AWQ's clip search
+  optimum over the grid; fp8 likewise, where a ratio moves each weight on E4M3's uneven grid and
+  keeps small weights out of its subnormal range) or per group (int4; using the group's block of H, as AWQ's clip search
   does, which leaves out the cross-group terms).
 Without statistics every ratio is 1: plain round-to-nearest.
 """
@@ -24,17 +25,22 @@ from dataclasses import dataclass
 import torch
 
 from engine.quant.quantizers import (
+    FP8_DTYPE,
+    FP8_MAX,
     INT8_MAX,
     dequantize_int4_codes,
     dequantize_int8,
+    fp8_scales,
     int4_params,
     int8_scales,
     pack_int4,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
 )
 
 INT8_CLIPS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8)
+FP8_CLIPS = (1.0, 0.985, 0.97, 0.955, 0.94, 0.92, 0.9, 0.875)
 INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 ALPHAS = (0.0, 0.15, 0.3, 0.45, 0.6)
 METRIC_RANK = 32
@@ -93,10 +99,20 @@ def int8_rounding_error(w: torch.Tensor, clip: torch.Tensor | float = 1.0,
     return t.round_().clamp_(-INT8_MAX, INT8_MAX).mul_(scales).sub_(w)
 
 
+def fp8_rounding_error(w: torch.Tensor, clip: torch.Tensor | float = 1.0,
+                       absmax: torch.Tensor | None = None) -> torch.Tensor:
+    """Q(w) - w for fp8 (E4M3) per-channel rounding at `clip`."""
+    if absmax is None:
+        absmax = w.abs().amax(dim=1)
+    scales = (absmax * clip / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)[:, None]
+    t = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    return t.mul_(scales).sub_(w)
+
+
 @dataclass
 class QuantizedWeight:
     bits: int
-    qweight: torch.Tensor  # int8 [N, K] or packed int4 [N, K/2]
+    qweight: torch.Tensor  # int8 or float8_e4m3fn [N, K], or packed int4 [N, K/2]
     scales: torch.Tensor  # fp32 [N] or fp16 [N, K/G]
     offsets: torch.Tensor | None = None  # int4: fp16 [N, K/G]
     codes: torch.Tensor | None = None  # int4: unpacked codes, kept for the error search
@@ -106,7 +122,7 @@ class QuantizedWeight:
         return None if self.bits == 8 else self.qweight.shape[1] * 2 // self.scales.shape[1]
 
     def dequantize(self) -> torch.Tensor:
-        if self.bits == 8:
+        if self.bits == 8:  # int8 or fp8 codes times their row's scale
             return dequantize_int8(self.qweight, self.scales)
         assert self.codes is not None and self.offsets is not None
         return dequantize_int4_codes(self.codes, self.scales, self.offsets)
@@ -119,8 +135,12 @@ class QuantizedWeight:
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None,
-                    clip: torch.Tensor | float = 1.0) -> QuantizedWeight:
+                    clip: torch.Tensor | float = 1.0, fp8: bool = False) -> QuantizedWeight:
     w = w.float()
+    if fp8:
+        assert bits == 8
+        scales = fp8_scales(w, clip)
+        return QuantizedWeight(8, quantize_fp8(w, scales), scales)
     if bits == 8:
         scales = int8_scales(w, clip)
         return QuantizedWeight(8, quantize_int8(w, scales), scales)
@@ -148,18 +168,19 @@ def output_error(err: torch.Tensor, hessian: torch.Tensor, group_size: int | Non
 
 
 def search_clip(w: torch.Tensor, bits: int, group_size: int | None, hessian: torch.Tensor,
-                metric: ErrorMetric | None = None) -> QuantizedWeight:
-    """The clipping ratio per output channel (int8) or group (int4) with the least output error
-    (int8: by `metric` when given, else exactly)."""
+                metric: ErrorMetric | None = None, fp8: bool = False) -> QuantizedWeight:
+    """The clipping ratio per output channel (int8, fp8) or group (int4) with the least output error
+    (8 bits: by `metric` when given, else exactly)."""
     w = w.float()
-    grid = INT8_CLIPS if bits == 8 else INT4_CLIPS
+    grid = FP8_CLIPS if fp8 else INT8_CLIPS if bits == 8 else INT4_CLIPS
     best_err = best_clip = None
     absmax = w.abs().amax(dim=1)
+    rounding_error = fp8_rounding_error if fp8 else int8_rounding_error
     for ratio in grid:
         if bits == 8 and metric is not None:
-            err = metric.rows(int8_rounding_error(w, ratio, absmax))
+            err = metric.rows(rounding_error(w, ratio, absmax))
         else:
-            q = quantize_weight(w, bits, group_size, ratio)
+            q = quantize_weight(w, bits, group_size, ratio, fp8)
             err = output_error(w - q.dequantize(), hessian, None if bits == 8 else group_size)
         if best_err is None:
             best_err, best_clip = err, torch.full_like(err, ratio)
@@ -167,7 +188,7 @@ def search_clip(w: torch.Tensor, bits: int, group_size: int | None, hessian: tor
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_clip = torch.where(better, torch.full_like(err, ratio), best_clip)
-    return quantize_weight(w, bits, group_size, best_clip)
+    return quantize_weight(w, bits, group_size, best_clip, fp8)
 
 
 def search_input_scale(w: torch.Tensor, bits: int, group_size: int | None, metric: ErrorMetric,

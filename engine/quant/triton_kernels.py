@@ -1,0 +1,212 @@
+"""Triton kernels of the quantized linears on the GPU (and on the CPU under TRITON_INTERPRET=1 in tests).
+
+- `quantize_rows_fp8`: one program per row (token): the row's max |x| gives its scale, max / 448,
+  and the row is written as E4M3 codes, x / scale rounded to nearest. The scales feed
+  torch._scaled_mm's row-wise scaling (engine/quant/fp8.py).
+- `w8a16_linear`: x @ W^T for int8 (or E4M3) W with one fp32 scale per output channel. Each program loads
+  int8 tiles of W, converts them to x's dtype in registers and accumulates in fp32; the row
+  scales multiply the accumulator once at the end (they factor out of the sum over K). No
+  full-precision copy of W exists at any time.
+- `w4a16_linear`: the same for int4 W in groups (engine/quant/quantizers.py's packed layout): a run of
+  32 inputs at a time, its 16 bytes unpacked into two 16-input products, each group's scale and
+  offset applied to the codes in registers (the offsets do not factor out of the sum).
+- `w8a8_fp8_linear`: E4M3 activations times E4M3 weights on fp8 tensor cores, both scales applied
+  to the fp32 accumulator: torch._scaled_mm's product, for decode batches (engine/quant/fp8.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quant.quantizers import ACT_SCALE_MIN, FP8_MAX
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, s_x, s_q, FMAX: tl.constexpr, SMIN: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / FMAX, SMIN)
+    for k0 in range(0, K, BLOCK_K):
+        m = k0 + offs < K
+        x = tl.load(x_ptr + row * s_x + k0 + offs, mask=m, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * s_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m3fn
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] in `out_dtype`, scales [M, 1] fp32) with x ~= codes * scales, row by row.
+
+    `out_dtype` float32 writes the clamped quotients unrounded (what the CPU interpreter can
+    store; rounding them with torch's .to(float8_e4m3fn) gives the codes). The torch twin:
+    engine.quant.quantizers.quantize_rows_fp8."""
+    assert x.dim() == 2
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=out_dtype, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FMAX=FP8_MAX, SMIN=ACT_SCALE_MIN,
+                                    BLOCK_K=min(4096, triton.next_power_of_2(k)))
+    return q, s
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < K
+        a = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        # int8 -> fp32 -> x's dtype: exact for |q| <= 127, and the path the interpreter converts right.
+        acc = tl.dot(a, w.to(tl.float32).to(a.dtype), acc, input_precision=PRECISION)
+    acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def _w8a16_blocks(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode rows stream W in narrow column tiles, so that
+    many programs share the weight's bandwidth; prefill rows take square tiles that reuse each W tile."""
+    if m <= 16:
+        return 16, 64, 128, 4
+    if m <= 64:
+        return 64, 64, 64, 4
+    return 128, 128, 64, 8
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] int8 * scales [N])^T (+ bias), in x's dtype, accumulated in fp32."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm, bn, bk, warps = _w8a16_blocks(m)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _w8a16_kernel[grid](x2, qweight, scales, bias if bias is not None else scales, out, m, n, k,
+                            x2.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, b_ptr, out_ptr, M, N, K, G, s_xm, s_wn, s_sn, s_om,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUNS: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Runs of 32 inputs: byte j of a run holds input j (low nibble) and j + 16 (high nibble), so each run
+    is two products of 16 inputs; each run's group gives its scale and offset (w = q * scale + offset)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r16 = tl.arange(0, 16)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, 32 * RUNS):
+        for r in tl.static_range(RUNS):
+            k = k0 + r * 32
+            if k < K:
+                g = k // G
+                scale = tl.load(s_ptr + rn * s_sn + g, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                offset = tl.load(o_ptr + rn * s_sn + g, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                packed = tl.load(w_ptr + rn[None, :] * s_wn + k // 2 + r16[:, None], mask=nmask[None, :], other=0)
+                packed = packed.to(tl.int32)
+                lo = ((packed & 0xF).to(tl.float32) * scale + offset)
+                hi = ((packed >> 4).to(tl.float32) * scale + offset)
+                a_lo = tl.load(x_ptr + rm[:, None] * s_xm + k + r16[None, :], mask=mmask[:, None], other=0.0)
+                a_hi = tl.load(x_ptr + rm[:, None] * s_xm + k + 16 + r16[None, :], mask=mmask[:, None], other=0.0)
+                acc = tl.dot(a_lo, lo.to(a_lo.dtype), acc, input_precision=PRECISION)
+                acc = tl.dot(a_hi, hi.to(a_hi.dtype), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T for int4 W in engine.quant.quantizers' packed layout (qweight [N, K/2] uint8, fp16
+    scales and offsets [N, K/G]), dequantized in registers a run of 32 inputs at a time."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm, bn, _, warps = _w8a16_blocks(m)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _w4a16_kernel[grid](x2, qweight, scales, offsets, bias if bias is not None else scales, out, m, n, k,
+                            k // scales.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+                            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, RUNS=4,
+                            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _w8a8_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        kmask = kk < K
+        a = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(a, w, acc)
+    acc = acc * tl.load(xs_ptr + rm, mask=mmask, other=0.0)[:, None] * tl.load(ws_ptr + rn, mask=nmask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def w8a8_fp8_linear(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(xq [M, K] E4M3 * x_scales [M, 1]) @ (qweight [N, K] E4M3 * scales [N])^T (+ bias): the product
+    torch._scaled_mm computes with row-wise scales, as a Triton GEMM (fp8 tensor-core products,
+    fp32 accumulation) whose narrow tiles suit decode batches."""
+    m, k = xq.shape
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m:
+        bm, bn, bk, warps = _w8a16_blocks(m)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _w8a8_fp8_kernel[grid](xq, x_scales, qweight, scales, bias if bias is not None else scales, out, m, n, k,
+                               xq.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out

@@ -1,0 +1,127 @@
+"""The quantized linears' Triton kernels against torch, on the CPU under TRITON_INTERPRET=1 (compiled where
+a CUDA device is present): the per-token fp8 activation quantizer and the int8 weight-only GEMM.
+
+NOTE: the interpreter runs kernels with numpy, which has no 8-bit float type. Triton 3.9's interpreter
+emulates the fp32 -> E4M3 cast with bit arithmetic that rounds ties away from zero and drops the carry
+when a mantissa rounds up into the next power of two, so its codes are not the GPU's. Interpreted, the
+quantizer's test therefore has the kernel write its clamped quotients as fp32 and rounds them with
+torch's .to(float8_e4m3fn), the round-to-nearest-even cast the compiled kernel does in registers;
+compiled (on a GPU), the kernel's own E4M3 codes are compared. Its tl.dot also multiplies bf16 operands'
+raw bits, so the GEMMs' bf16 cases run compiled only; their fp32 cases run the same code interpreted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Before triton is imported: without a GPU, run the kernels in triton's interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.quant.quantizers import FP8_DTYPE, quantize_rows_fp8
+from engine.quant.search import quantize_weight
+from engine.quant.triton_kernels import quantize_rows_fp8 as quantize_rows_kernel
+from engine.quant.triton_kernels import w4a16_linear, w8a8_fp8_linear, w8a16_linear
+
+pytestmark = pytest.mark.slow  # interpreted Triton
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32] if INTERPRETED else [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("rows,width", [(1, 16), (5, 80), (33, 4100)])
+def test_fp8_row_quantizer_matches_torch(rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=gen) * torch.logspace(-3, 2, rows)[:, None]).to(DEVICE)
+    x[0, :3] = torch.tensor([300.0, -1e-4, 0.0])  # an outlier sets row 0's scale
+    if rows > 1:
+        x[-1] = 0.0  # a row of zeros: zero codes, the smallest scale
+    want_q, want_s = quantize_rows_fp8(x)
+    if INTERPRETED:
+        quotients, s = quantize_rows_kernel(x, out_dtype=torch.float32)
+        q = quotients.to(FP8_DTYPE)
+    else:
+        q, s = quantize_rows_kernel(x)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert q.dtype == FP8_DTYPE
+    assert torch.equal(q.float(), want_q.float())
+    # What the codes stand for: x within E4M3's relative step (2^-4 at worst, half a step after rounding).
+    back = q.float() * s
+    assert ((back - x).abs() <= x.abs() * 2**-4 + s * 2**-9).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a16_gemm_matches_dequantized_matmul(rows, dtype):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 48, 144  # odd multiples of 16: partial tiles in both directions
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q = quantize_weight(w, 8, None)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    qweight, scales = q.qweight.to(DEVICE), q.scales.to(DEVICE)
+    for b in (None, bias.to(DEVICE, dtype)):
+        got = w8a16_linear(x, qweight, scales, b)
+        want = x.double() @ q.dequantize().double().T.to(DEVICE)
+        if b is not None:
+            want = want + b.double()
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_w8a16_gemm_takes_leading_dims_and_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=gen)
+    q = quantize_weight(w, 8, None)
+    base = torch.randn(2, 3, 128, generator=gen).to(DEVICE)
+    x = base[..., :64]  # rows 128 apart
+    got = w8a16_linear(x, q.qweight.to(DEVICE), q.scales.to(DEVICE))
+    want = x.reshape(-1, 64).cpu() @ q.dequantize().T
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got.reshape(-1, 32).cpu(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("k,group", [(96, 32), (192, 96)])
+def test_w4a16_gemm_matches_dequantized_matmul(rows, k, group):
+    gen = torch.Generator().manual_seed(rows + k)
+    n = 48
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q = quantize_weight(w, 4, group)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(DEVICE)
+    got = w4a16_linear(x, q.qweight.to(DEVICE), q.scales.to(DEVICE), q.offsets.to(DEVICE), bias)
+    want = x.double().cpu() @ q.dequantize().double().T + bias.double().cpu()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if not INTERPRETED:  # the kernel's bf16 path, compiled
+        got = w4a16_linear(x.bfloat16(), q.qweight.to(DEVICE), q.scales.to(DEVICE), q.offsets.to(DEVICE))
+        torch.testing.assert_close(got.double().cpu(), want - bias.double().cpu(), rtol=3e-2,
+                                   atol=3e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_fp8_gemm_matches_scaled_product(rows):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 48, 144
+    q = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, 8, None, fp8=True)
+    xq, xs = quantize_rows_fp8(torch.randn(rows, k, generator=gen))
+    bias = torch.randn(n, generator=gen)
+    got = w8a8_fp8_linear(xq.to(DEVICE), xs.to(DEVICE), q.qweight.to(DEVICE), q.scales.to(DEVICE),
+                          bias.to(DEVICE), out_dtype=torch.float32)
+    want = (xq.double() * xs.double()) @ q.dequantize().double().T + bias.double()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_w8a16_gemm_also_reads_fp8_weights():
+    """fp8 weight-only (W8A16): what bench.gpu_weights times as the fallback for layers whose activations
+    should stay in bf16 (docs/perf/gpu.md, "Weight formats")."""
+    gen = torch.Generator().manual_seed(7)
+    q = quantize_weight(torch.randn(48, 144, generator=gen) * 0.05, 8, None, fp8=True)
+    x = torch.randn(5, 144, generator=gen)
+    got = w8a16_linear(x.to(DEVICE), q.qweight.to(DEVICE), q.scales.to(DEVICE))
+    want = x.double() @ q.dequantize().double().T
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
