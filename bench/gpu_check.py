@@ -47,7 +47,8 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
-SECTIONS = ("kernels", "decode_sweep", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
+SECTIONS = ("kernels", "decode_sweep", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed",
+            "kv_formats")
 SPEED_SECTIONS = ("llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
 
 
@@ -442,7 +443,7 @@ def run(args) -> dict:
         section(report, "tiny_vs_hf_fp32", started, check_against_hf, tiny, device, "float32",
                 [list(range(3, 3 + n)) for n in (5, 37, 120)])
     smol = None
-    if wanted & {"smollm2_vs_hf", "smollm2_speed"}:
+    if wanted & {"smollm2_vs_hf", "smollm2_speed", "kv_formats"}:
         try:
             smol = prepare_smollm2(args.smollm2_gguf)
         except Exception as exc:
@@ -468,6 +469,10 @@ def run(args) -> dict:
         section(report, "smollm2_speed", started, speed_suite, "smollm2" if smol is not None else "smollm2-shaped",
                 shape_path, device, dtype, smol is None, 128 if quick else 1024, 4 if quick else 32,
                 (8,) if quick else (64,), bw)
+    if "kv_formats" in wanted:  # bf16 / fp8 / int8 KV rows (bench/gpu_kv.py)
+        from bench.gpu_kv import kv_formats
+
+        section(report, "kv_formats", started, kv_formats, device, bw, quick, smol)
     report["seconds"] = time.perf_counter() - started
     return report
 

@@ -18,7 +18,9 @@ def ppl_command(
                               help="Model alias, Hugging Face folder, .gguf file, or a folder from `infinilm quantize`."),
     quant: int = typer.Option(16, "--quant", "-q",
                               help="Weight bits: 16 runs the checkpoint as stored; 8 or 4 quantize it while loading."),
-    cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8 (int8)."),
+    cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8."),
+    cache_format: str = typer.Option("auto", "--cache-format",
+                                     help="With --cache-bits 8: int8, fp8, or auto (fp8 on CUDA sm_89+, else int8)."),
     kv_fp_window: int = typer.Option(0, "--kv-fp-window",
                                      help="With --cache-bits 8: recent rows per sequence kept at full precision."),
     calib: Path | None = typer.Option(None, "--calib", exists=True, dir_okay=False, readable=True,
@@ -45,7 +47,8 @@ def ppl_command(
     from engine.perplexity import perplexity
 
     try:
-        llm = LLM(model, dtype=dtype, weight_bits=quant, cache_bits=cache_bits, kv_fp_window=kv_fp_window,
+        llm = LLM(model, dtype=dtype, weight_bits=quant, cache_bits=cache_bits, cache_format=cache_format,
+                  kv_fp_window=kv_fp_window,
                   calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
@@ -61,6 +64,7 @@ def ppl_command(
     seconds = time.perf_counter() - start
     if as_json:
         typer.echo(json.dumps({"model": model, "weight_bits": quant, "cache_bits": cache_bits,
+                               "cache_format": llm.engine.layout.cache_format if cache_bits == 8 else None,
                                "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
                                "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
                                "windows": result.num_windows, "context": context, "stride": stride,

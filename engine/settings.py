@@ -124,6 +124,10 @@ class QuantizationSettings(Settings):
     # int4: inputs per quantization group (a layer whose width it does not divide uses less).
     weight_group_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 128
     cache_bits: Literal[16, 8] = 16
+    # cache_bits 8: int8 codes with a scale per token and KV head, or fp8 (E4M3) codes with a scale per
+    # KV head (engine/attention/kv_int8.py). auto: fp8 on CUDA GPUs of compute capability 8.9+, else int8
+    # (the CPU's kernels read int8; fp8 on the CPU runs the torch reference).
+    cache_format: Literal["auto", "fp8", "int8"] = "auto"
     # cache_bits 8: each sequence's most recent rows kept at full precision as well (0: all int8).
     kv_fp_window: NonNegativeInt = 0
     # Text or JSONL that load-time quantization calibrates on; None: engine/quant/calibration.txt.
@@ -137,6 +141,8 @@ class QuantizationSettings(Settings):
             msgspec.structs.force_setattr(self, "calibration_file", str(path))
         require(self.kv_fp_window == 0 or self.cache_bits == 8, "kv_fp_window",
                 "keeps recent rows of an int8 KV cache at full precision; it needs cache_bits: 8")
+        require(self.cache_format == "auto" or self.cache_bits == 8, "cache_format",
+                f"{self.cache_format} is the format of an 8-bit KV cache; it needs cache_bits: 8")
 
 
 class SpeculativeSettings(Settings):
