@@ -1,8 +1,10 @@
 """Triton paged attention over the 8-bit KV caches (engine.attention.kv_int8), read in place.
 
-The kernels load int8 or fp8 codes straight from the paged pool and dequantize them in registers
-(int8: times the row's fp16 scale, per token and KV head; fp8: times the layer's per-head scale), then
-round to the query's dtype for the products: no gather and no full-precision copy of the cache.
+The kernels load int8 or fp8 codes straight from the paged pool and dequantize them in registers: the
+codes convert exactly to the query's dtype for the products, and the scales (int8: the row's fp16 scale,
+per token and KV head; fp8: the layer's per-head scale) multiply the score and probability columns, which
+costs a vector per tile instead of an fp32 copy of the K and V tiles. No gather and no full-precision copy
+of the cache.
 The structure follows engine.attention.triton_kernels (one program per sequence, KV head and split
 in decode, with the same flash-decoding merge; one per span, query tile and head in prefill, with the
 same mask policies).
@@ -31,14 +33,6 @@ from engine.attention.triton_kernels import (
     prefill_launch,
 )
 from engine.transfer import to_device
-
-
-@triton.jit
-def _dequant(codes, scale, PER_ROW: tl.constexpr):
-    """codes [N, D_PAD] -> fp32; scale is [N] per row (int8), else one per-head scalar (fp8)."""
-    if PER_ROW:
-        return codes.to(tl.float32) * scale[:, None]
-    return codes.to(tl.float32) * scale
 
 
 @triton.jit
@@ -89,31 +83,33 @@ def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
         block = tl.load(bt_ptr + b * s_bt + page, mask=page < last, other=0)
         row = block * s_blk + (offs_t % BS) * s_tok + kh * s_head
         pmask = pool[:, None] & dmask[None, :]
-        kc = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=pmask, other=0.0)
-        vc = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=pmask, other=0.0)
+        # Codes convert exactly to the query's dtype; each key's scale multiplies its score column, each
+        # value's scale its probability column: q.(c s) = (q.c) s, so no fp32 tile of K or V is formed.
+        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=pmask, other=0.0).to(cdt)
+        v = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=pmask, other=0.0).to(cdt)
         if PER_ROW:
             srow = block * s_scblk + (offs_t % BS) * s_sctok + kh
-            ks = tl.load(sc_ptr + srow, mask=pool, other=0.0).to(tl.float32)
-            vs = tl.load(sc_ptr + s_sckv + srow, mask=pool, other=0.0).to(tl.float32)
+            ks = tl.load(sc_ptr + srow, mask=pool, other=1.0).to(tl.float32)
+            vs = tl.load(sc_ptr + s_sckv + srow, mask=pool, other=1.0).to(tl.float32)
         else:
-            ks = k_scale
-            vs = v_scale
-        k = _dequant(kc, ks, PER_ROW)
-        v = _dequant(vc, vs, PER_ROW)
+            ks = tl.full([PAGES * BS], 1.0, tl.float32) * k_scale
+            vs = tl.full([PAGES * BS], 1.0, tl.float32) * v_scale
         if W > 0:
             rrow = slot * s_rslot + (tok % W) * s_rrow + kh * s_rhead
             rmask = ring[:, None] & dmask[None, :]
-            kr = tl.load(ring_ptr + rrow[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
-            vr = tl.load(ring_ptr + s_rkv + rrow[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
-            k = tl.where(ring[:, None], kr, k)
-            v = tl.where(ring[:, None], vr, v)
-        s = tl.dot(q, tl.trans(k.to(cdt)), input_precision=PRECISION) * scale
+            k = tl.where(ring[:, None], tl.load(ring_ptr + rrow[:, None] + offs_d[None, :], mask=rmask, other=0.0)
+                         .to(cdt), k)
+            v = tl.where(ring[:, None], tl.load(ring_ptr + s_rkv + rrow[:, None] + offs_d[None, :], mask=rmask,
+                                                other=0.0).to(cdt), v)
+            ks = tl.where(ring, 1.0, ks)
+            vs = tl.where(ring, 1.0, vs)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * scale)[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v.to(cdt), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(cdt), v, input_precision=PRECISION)
         m = m_new
     omask = gmask[:, None] & dmask[None, :]
     if SPLIT:
@@ -148,7 +144,8 @@ def paged_decode_quant(q: torch.Tensor, cache: Int8KVCache, block_tables: torch.
     values = cache.values
     _, _, bs, kvh, _ = values.shape
     max_blocks = block_tables.shape[1]
-    pages = pages or max(1, 64 // bs)
+    # 64 keys an iteration, 32 with a window (its ring tiles would spill registers on sm_90).
+    pages = pages or max(1, (64 if win is None else 32) // bs)
     if splits is None:
         splits, per_split = decode_splits(b, kvh, max_blocks, pages, q.device)
     else:
@@ -235,18 +232,17 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
         kmask = kr < hi
         row = block * s_blk + (offs_t % BS) * s_tok + kh * s_head
         lmask = kmask[:, None] & dmask[None, :]
-        kc = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=lmask, other=0.0)
-        vc = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=lmask, other=0.0)
+        # As in decode: codes in the query's dtype, scales on the score and probability columns.
+        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=lmask, other=0.0).to(cdt)
+        v = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=lmask, other=0.0).to(cdt)
         if PER_ROW:
             srow = block * s_scblk + (offs_t % BS) * s_sctok + kh
-            ks = tl.load(sc_ptr + srow, mask=kmask, other=0.0).to(tl.float32)
-            vs = tl.load(sc_ptr + s_sckv + srow, mask=kmask, other=0.0).to(tl.float32)
+            ks = tl.load(sc_ptr + srow, mask=kmask, other=1.0).to(tl.float32)
+            vs = tl.load(sc_ptr + s_sckv + srow, mask=kmask, other=1.0).to(tl.float32)
         else:
-            ks = k_scale
-            vs = v_scale
-        k = _dequant(kc, ks, PER_ROW).to(cdt)
-        v = _dequant(vc, vs, PER_ROW).to(cdt)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            ks = tl.full([PAGES * BS], 1.0, tl.float32) * k_scale
+            vs = tl.full([PAGES * BS], 1.0, tl.float32) * v_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * scale)[None, :]
         # Without a window ring_start is kv_len, past every key: the band is empty.
         band = (kr[None, :] >= rows[:, None] + 1 - W) & (kr >= ring_start)[None, :]
         if W > 0:
@@ -258,8 +254,6 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
             rrow = slot * s_rslot + (kr % W) * s_rrow + kh * s_rhead
             kf = (tl.load(kn_ptr + nrow[:, None] * s_nt + kh * s_nh + offs_d[None, :], mask=nmask, other=0.0)
                   + tl.load(ring_ptr + rrow[:, None] + offs_d[None, :], mask=omask, other=0.0)).to(cdt)
-            vf = (tl.load(vn_ptr + nrow[:, None] * s_vt + kh * s_vh + offs_d[None, :], mask=nmask, other=0.0)
-                  + tl.load(ring_ptr + s_rkv + rrow[:, None] + offs_d[None, :], mask=omask, other=0.0)).to(cdt)
             s = tl.where(band, tl.dot(q, tl.trans(kf), input_precision=PRECISION) * scale, s)
         ok = _allowed(rows, kr, policy, start, end, seg_ptr + span * s_seg, nseg, NSEG_PAD)
         ok = ok & kmask[None, :] & mmask[:, None]
@@ -269,16 +263,22 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         denom = denom * alpha + tl.sum(p, axis=1)
+        pv = tl.dot((tl.where(band, 0.0, p) * vs[None, :]).to(cdt), v, input_precision=PRECISION)
         if W > 0:
-            pv = tl.dot(tl.where(band, 0.0, p).to(cdt), v, input_precision=PRECISION)
+            vf = (tl.load(vn_ptr + nrow[:, None] * s_vt + kh * s_vh + offs_d[None, :], mask=nmask, other=0.0)
+                  + tl.load(ring_ptr + s_rkv + rrow[:, None] + offs_d[None, :], mask=omask, other=0.0)).to(cdt)
             pv += tl.dot(tl.where(band, p, 0.0).to(cdt), vf, input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(cdt), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.where(denom == 0, 1.0, denom)[:, None]
     tl.store(out_ptr + (token_start + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+# Prefill tiles of 64 query rows x 32 keys over 8 warps: without a window the sm_90 build holds them in
+# registers (tests/unit/engine/test_triton_kvq_compiles.py); 64 keys or 4 warps spill.
+PREFILL_KEYS = 32
+PREFILL_WARPS = 8
 
 
 @dataclass
@@ -322,6 +322,7 @@ def paged_prefill_quant(q: torch.Tensor, cache: Int8KVCache, spans, scale: float
         s_sckv, s_scblk, s_sctok, out.stride(0), out.stride(1), base.tables.stride(0), base.segs.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *rs,
         G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=base.block_m,
-        PAGES=max(1, 64 // bs), NSEG_PAD=base.nseg_pad, PER_ROW=not cache.is_fp8, W=w, PRECISION=_precision(q),
+        PAGES=max(1, PREFILL_KEYS // bs), NSEG_PAD=base.nseg_pad, PER_ROW=not cache.is_fp8, W=w,
+        PRECISION=_precision(q), num_warps=PREFILL_WARPS,
     )
     return out
