@@ -45,10 +45,17 @@ def step_rows(path: Path, device: torch.device, dtype: str, fmt: str, contexts: 
     """Decode step times for one format: `batches` sequences at each of `contexts` tokens."""
     from bench.gpu_check import sync
     from engine import EngineConfig, EngineCore, SamplingParams
+    from engine.models.config import ModelConfig
 
+    # A pool that holds the largest batch at the longest context in every format (the default ratio of
+    # device memory would not hold 64 x 4k tokens of bf16 KV next to the 8B weights on an 80 GB GPU).
+    longest = max(contexts) + steps + 32
+    pool = int(max(batches) * longest * kv_bytes_per_token(ModelConfig.from_folder(path), fmt,
+                                                           getattr(torch, dtype)) * 1.05)
     cfg = EngineConfig(model=str(path), dtype=dtype, device=str(device), load_format="dummy",
                        max_num_seqs=max(batches), max_num_batched_tokens=4096, cuda_graphs=True,
-                       max_model_len=max(contexts) + steps + 16, enable_prefix_caching=False, **FORMATS[fmt])
+                       max_model_len=longest, enable_prefix_caching=False, kv_cache_memory_bytes=pool,
+                       **FORMATS[fmt])
     engine = EngineCore(cfg)
     mc, vocab = engine.model_config, engine.model_config.vocab_size
     row_bytes = kv_bytes_per_token(mc, fmt, engine.dtype)
