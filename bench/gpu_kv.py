@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -125,6 +126,52 @@ def perplexity_rows(path: Path | None, device: torch.device, dtype: str, tokens:
     return rows
 
 
+def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) -> dict:
+    """The paged decode kernels alone on the 8B shape's attention (32 heads, 8 KV heads of 128): bf16
+    (triton_kernels.paged_decode) against int8 and fp8 (triton_kvq.paged_decode_quant), each checked
+    against bf16, timed on CUDA, with GB/s and the roofline share on the bytes each one reads."""
+    from engine.attention.kv_int8 import Int8KVCache, write_int8
+    from engine.attention.triton_kernels import paged_decode
+    from engine.attention.triton_kvq import paged_decode_quant
+
+    h, kvh, d, bs = (4, 2, 32, 16) if quick else (32, 8, 128, 16)
+    shapes = [(2, 48)] if quick else [(b, c) for c in (1024, 4096) for b in (1, 16, 64)]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for batch, context in shapes:
+        blocks = -(-context // bs)
+        nb = batch * blocks + 1
+        kv = torch.randn(2, nb, bs, kvh, d, generator=gen).to(device, dtype)
+        tables = torch.randperm(nb - 1, generator=gen)[:batch * blocks].view(batch, blocks).to(device)
+        lens = torch.full((batch,), context, dtype=torch.long, device=device)
+        q = torch.randn(batch, h, d, generator=gen).to(device, dtype)
+        want = paged_decode(q, kv, tables, lens, d**-0.5).float()
+        slots = torch.arange(nb * bs, device=device)
+        launches = {"bf16": (lambda kv=kv, q=q, tables=tables, lens=lens: paged_decode(q, kv, tables, lens, d**-0.5),
+                             kv.element_size() * d)}
+        for fmt in ("int8", "fp8"):
+            if fmt == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+                continue
+            cache = Int8KVCache.allocate(nb, bs, kvh, d, 0, 1, dtype, device, fmt)
+            write_int8(cache, kv[0].reshape(-1, kvh, d), kv[1].reshape(-1, kvh, d), slots)
+            launches[fmt] = (lambda c=cache, q=q, tables=tables, lens=lens:
+                             paged_decode_quant(q, c, tables, lens, d**-0.5), d + (2 if fmt == "int8" else 0))
+        for fmt, (launch, row_bytes) in launches.items():
+            err = (launch().float() - want).abs().max().item()
+            nbytes = 2 * batch * context * kvh * row_bytes
+            us = float("nan")
+            if device.type == "cuda":
+                import triton.testing
+
+                us = triton.testing.do_bench(launch, warmup=10, rep=100, return_mode="median") * 1e3
+            rows.append({"format": fmt, "batch": batch, "context": context, "us": us, "kv_bytes": nbytes,
+                         "GBps": nbytes / (us * 1e-6) / 1e9 if us == us else None,
+                         "share_of_roofline": nbytes / bandwidth / (us * 1e-6) if us == us else None,
+                         "max_abs_error_vs_bf16": err})
+    return {"rows": rows}
+
+
 def kv_formats(device: torch.device, bandwidth: float, quick: bool = False, smollm2: Path | None = None) -> dict:
     """The section bench.gpu_check runs: step rows per format, concurrency, perplexity."""
     from bench.gpu_check import LLAMA3_8B, TINY, write_config_only
@@ -138,6 +185,11 @@ def kv_formats(device: torch.device, bandwidth: float, quick: bool = False, smol
     memory = (64 << 20) if quick else KV_MEMORY_BYTES
     result: dict = {"shape": "tiny" if quick else "llama3-8b", "kv_memory_bytes": memory, "runs": [],
                     "concurrency": {}, "errors": {}}
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            result["decode_kernels"] = decode_kernels(device, bandwidth, quick)
+        except Exception as exc:
+            result["errors"]["decode_kernels"] = f"{type(exc).__name__}: {exc}"
     for fmt in FORMATS:
         result["concurrency"][fmt] = {c: max_sequences(mc, fmt, getattr(torch, dtype), memory, c) for c in contexts}
         try:
@@ -156,6 +208,11 @@ def print_kv_formats(result: dict) -> None:
     for r in result.get("runs", []):
         print(f"{r['format']:6} {r['context']:5d} {r['batch']:5d} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
               f"{r['roofline_step_ms']:8.2f} {r['share_of_roofline']:6.1%} {r['cuda_graphs']!s:>6}")
+    for r in (result.get("decode_kernels") or {}).get("rows", []):
+        share = "-" if r["share_of_roofline"] is None else f"{r['share_of_roofline']:.1%}"
+        print(f"decode kernel {r['format']:5} ctx {r['context']:5d} batch {r['batch']:3d}: {r['us']:8.1f} us, "
+              f"{share} of the roofline on {r['kv_bytes'] / 1e6:.0f} MB, max |error| vs bf16 "
+              f"{r['max_abs_error_vs_bf16']:.3g}")
     for fmt, err in result.get("errors", {}).items():
         print(f"{fmt}: {err}")
     for fmt, by_ctx in result.get("concurrency", {}).items():

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+# Before triton is imported: without a GPU, the kernel rows run in triton's interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.gpu_check import LLAMA3_8B, write_config_only
 from bench.gpu_kv import FORMATS, kv_bytes_per_token, kv_formats, max_sequences
@@ -36,3 +41,8 @@ def test_kv_formats_dry_run_on_the_cpu():
     kv = {(r["format"]): r["kv_bytes"] for r in result["runs"] if (r["context"], r["batch"]) == (96, 4)}
     assert kv["fp8"] < kv["int8"] < kv["bf16"] / 3
     assert result["perplexity"][0]["skipped"]
+    kernels = result["decode_kernels"]["rows"]
+    assert [r["format"] for r in kernels] == ["bf16", "int8", "fp8"]
+    # Both 8-bit kernels against the bf16 kernel on the same K/V: the quantization error, and no more.
+    assert 0 < kernels[1]["max_abs_error_vs_bf16"] < 0.05 and 0 < kernels[2]["max_abs_error_vs_bf16"] < 0.2
+    assert kernels[2]["kv_bytes"] < kernels[1]["kv_bytes"] < kernels[0]["kv_bytes"] / 3
