@@ -49,7 +49,7 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 TIME_BUDGET_S = 270  # sections that would start later are skipped, so a run stays inside 5 minutes
 SECTIONS = ("kernels", "decode_sweep", "tiny_vs_hf_fp32", "smollm2_vs_hf", "llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed",
-            "weight_formats")
+            "weight_formats", "kv_formats")
 SPEED_SECTIONS = ("llama3_8b_shaped", "llama3_8b_unfused", "smollm2_speed")
 
 
@@ -444,7 +444,7 @@ def run(args) -> dict:
         section(report, "tiny_vs_hf_fp32", started, check_against_hf, tiny, device, "float32",
                 [list(range(3, 3 + n)) for n in (5, 37, 120)])
     smol = None
-    if wanted & {"smollm2_vs_hf", "smollm2_speed"}:
+    if wanted & {"smollm2_vs_hf", "smollm2_speed", "kv_formats"}:
         try:
             smol = prepare_smollm2(args.smollm2_gguf)
         except Exception as exc:
@@ -473,6 +473,10 @@ def run(args) -> dict:
     if "weight_formats" in wanted:  # bf16, fp8, int8 and int4 weights side by side: bench/gpu_weights.py
         from bench.gpu_weights import weight_formats
         section(report, "weight_formats", started, weight_formats, device, quick, bw, args.smollm2_gguf)
+    if "kv_formats" in wanted:  # bf16 / fp8 / int8 KV rows (bench/gpu_kv.py)
+        from bench.gpu_kv import kv_formats
+
+        section(report, "kv_formats", started, kv_formats, device, bw, quick, smol)
     report["seconds"] = time.perf_counter() - started
     return report
 

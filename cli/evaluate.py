@@ -22,6 +22,8 @@ def ppl_command(
                                       help="With --quant 8: fp8, int8, or auto (fp8 on GPUs of compute capability "
                                            "8.9+, int8 elsewhere)."),
     cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8 (int8)."),
+    cache_format: str = typer.Option("auto", "--cache-format",
+                                     help="With --cache-bits 8: int8, fp8, or auto (int8)."),
     kv_fp_window: int = typer.Option(0, "--kv-fp-window",
                                      help="With --cache-bits 8: recent rows per sequence kept at full precision."),
     calib: Path | None = typer.Option(None, "--calib", exists=True, dir_okay=False, readable=True,
@@ -49,7 +51,7 @@ def ppl_command(
 
     try:
         llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format, cache_bits=cache_bits,
-                  kv_fp_window=kv_fp_window, calibration_file=str(calib) if calib else None,
+                  cache_format=cache_format, kv_fp_window=kv_fp_window, calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
         raise _fail(str(exc)) from None
@@ -65,6 +67,7 @@ def ppl_command(
     if as_json:
         typer.echo(json.dumps({"model": model, "weight_bits": quant, "weight_format": weight_format,
                                "cache_bits": cache_bits,
+                               "cache_format": llm.engine.layout.cache_format if cache_bits == 8 else None,
                                "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
                                "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
                                "windows": result.num_windows, "context": context, "stride": stride,

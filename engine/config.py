@@ -212,6 +212,7 @@ class CacheLayout:
     window: int = 0
     window_slots: int = 0
     window_bytes: int = 0
+    cache_format: str = "int8"  # cache_bits 8: int8 or fp8, resolved for the device (kv_int8.resolve_cache_format)
 
     @property
     def num_tokens(self) -> int:

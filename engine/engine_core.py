@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.kv_int8 import KVWindowSlots
+from engine.attention.kv_int8 import KVWindowSlots, resolve_cache_format
 from engine.attention.metadata import CAUSAL, MaskSpec
 from engine.attention.selection import select_backend, select_int8_backend
 from engine.block_manager import BlockManager
@@ -110,9 +110,12 @@ class EngineCore:
         self.runner.vision = self.vision
         if self.layout.window:
             self.runner.kv_window = KVWindowSlots(self.layout.window, self.layout.window_slots)
-        # The int8 KV path has not been captured into CUDA graphs on a GPU yet: it runs eagerly.
+        # An 8-bit cache is captured when the Triton kernels read it and no full-precision window is kept (the
+        # graphs' metadata carries no ring); the torch reference and a window run eagerly.
         # Captured graphs would replay without the ranks' collectives: tensor-parallel steps run eagerly.
-        if self.device.type == "cuda" and config.cuda_graphs and config.cache_bits == 16 and self.parallel is None:
+        graphable = config.cache_bits == 16 or (
+            not self.layout.window and self.model.layers[0].self_attn.backend.name == "triton_kvq")
+        if self.device.type == "cuda" and config.cuda_graphs and graphable and self.parallel is None:
             from engine.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(
@@ -144,7 +147,7 @@ class EngineCore:
         """The whole model in this process (tensor_parallel_size 1), fitted to the machine."""
         if config.cache_bits == 8:
             backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
-                                          mc.head_dim)
+                                          mc.head_dim, resolve_cache_format(config.cache_format, self.device))
         else:
             backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
                                      mc.head_dim, config.block_size)

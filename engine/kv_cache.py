@@ -12,11 +12,16 @@ from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, cache_bits: int = 16) -> int:
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, cache_bits: int = 16,
+                    cache_format: str = "int8") -> int:
     """K and V of one block over all layers: head_dim values of the model's dtype per (row, kv head),
-    or with cache_bits 8, head_dim int8 values and one fp16 scale."""
+    or with cache_bits 8, head_dim int8 values and one fp16 scale (int8), or head_dim fp8 values (fp8,
+    whose per-head scales are a few bytes per layer)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    row = model.head_dim + 2 if cache_bits == 8 else model.head_dim * elem
+    if cache_bits == 8:
+        row = model.head_dim + (2 if cache_format == "int8" else 0)
+    else:
+        row = model.head_dim * elem
     return model.num_layers * 2 * block_size * model.num_kv_heads * row
 
 
@@ -36,7 +41,10 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
     """The KV pool for `cfg`: num_kv_blocks, else kv_cache_memory_bytes, else max_cache_ratio of the device's memory
     (on the CPU, of cpu_memory_bytes, else of host RAM capped at cpu_kv_cache_cap_bytes). The budget is the pool's
     own: the weights and any packed copies of them are not subtracted from it."""
-    per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.cache_bits)
+    from engine.attention.kv_int8 import resolve_cache_format
+
+    cache_format = resolve_cache_format(cfg.cache_format, device) if cfg.cache_bits == 8 else "int8"
+    per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.cache_bits, cache_format)
     ring_bytes = window_bytes(model, cfg.kv_fp_window, cfg.max_num_seqs, dtype)
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
@@ -64,7 +72,7 @@ def plan_cache_layout(cfg: EngineConfig, model: ModelConfig, device: torch.devic
     # One request must always fit the pool, or it could wait forever.
     max_model_len = min(limit, num_blocks * cfg.block_size)
     return CacheLayout(num_blocks, cfg.block_size, per_block, max_model_len, device, dtype, cfg.cache_bits,
-                       cfg.kv_fp_window, cfg.max_num_seqs if cfg.kv_fp_window else 0, ring_bytes)
+                       cfg.kv_fp_window, cfg.max_num_seqs if cfg.kv_fp_window else 0, ring_bytes, cache_format)
 
 
 def allocate_kv_caches(layout: CacheLayout, model: ModelConfig, huge_pages: bool = False) -> list:
@@ -76,8 +84,10 @@ def allocate_kv_caches(layout: CacheLayout, model: ModelConfig, huge_pages: bool
     if layout.cache_bits == 8:
         from engine.attention.kv_int8 import KV_SCALE_DTYPE, Int8KVCache
 
+        huge = huge and layout.cache_format == "int8"  # fp8 on the CPU is the reference path: plain pages
         caches = [Int8KVCache.allocate(layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim,
-                                       layout.window, layout.window_slots, layout.dtype, layout.device)
+                                       layout.window, layout.window_slots, layout.dtype, layout.device,
+                                       layout.cache_format)
                   for _ in range(model.num_layers)] if not huge else []
         if huge:
             values_shape = (2, layout.num_blocks + 1, layout.block_size, model.num_kv_heads, model.head_dim)

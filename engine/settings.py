@@ -127,6 +127,10 @@ class QuantizationSettings(Settings):
     # int4: inputs per quantization group (a layer whose width it does not divide uses less).
     weight_group_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 128
     cache_bits: Literal[16, 8] = 16
+    # cache_bits 8: int8 codes with a scale per token and KV head, or fp8 (E4M3) codes with a scale per
+    # KV head (engine/attention/kv_int8.py). auto: int8 (uncalibrated fp8 loses more perplexity); fp8 needs
+    # CUDA compute capability 8.9+ on a GPU and runs the torch reference on the CPU.
+    cache_format: Literal["auto", "fp8", "int8"] = "auto"
     # cache_bits 8: each sequence's most recent rows kept at full precision as well (0: all int8).
     kv_fp_window: NonNegativeInt = 0
     # Text or JSONL that load-time quantization calibrates on; None: engine/quant/calibration.txt.
@@ -142,6 +146,8 @@ class QuantizationSettings(Settings):
                 f"{self.weight_format} is an 8-bit weight format; it needs weight_bits: 8, got {self.weight_bits}")
         require(self.kv_fp_window == 0 or self.cache_bits == 8, "kv_fp_window",
                 "keeps recent rows of an int8 KV cache at full precision; it needs cache_bits: 8")
+        require(self.cache_format == "auto" or self.cache_bits == 8, "cache_format",
+                f"{self.cache_format} is the format of an 8-bit KV cache; it needs cache_bits: 8")
 
 
 class SpeculativeSettings(Settings):

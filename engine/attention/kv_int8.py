@@ -1,4 +1,4 @@
-"""The int8 KV cache (cache_bits: 8) and its full-precision window of recent rows.
+"""The 8-bit KV caches (cache_bits: 8; int8 or fp8 by cache_format) and their full-precision window of recent rows.
 
 Storage, per layer: K and V as int8 [2, blocks, block_size, kv_heads, head_dim] with one fp16
 scale per (token, kv head) [2, blocks, block_size, kv_heads], addressed by the same slots as the
@@ -11,6 +11,11 @@ i reads rows >= i + 1 - W from the ring and older rows from the int8 pool, in de
 alike, so chunking never changes the numbers. Rows the sequence did not compute itself (a
 prefix-cache hit) exist only in int8. Semantics with W = 0: every read, including a prefill chunk
 attending to itself, sees the stored int8 values, which is what perplexity then measures.
+
+fp8 (cache_format: fp8): K and V as float8_e4m3fn with one fp32 scale per (K|V, kv head) [2, kv_heads]
+for the whole layer, a static scale rather than a dynamic one, so a stored code never changes meaning
+and prefix-cache blocks stay valid. The scales are 1.0 unless set (a calibration writes `scales`):
+E4M3 holds +-448 with 3 mantissa bits, and rows saturate at that bound. A row costs head_dim bytes.
 """
 
 from __future__ import annotations
@@ -22,25 +27,56 @@ import torch
 from engine.transfer import to_device
 
 KV_SCALE_DTYPE = torch.float16
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+CACHE_FORMATS = ("int8", "fp8")
 _SCALE_MIN = float(torch.finfo(torch.float16).tiny)  # rows smaller than 127 * this round to 0
 _SCALE_MAX = float(torch.finfo(torch.float16).max)
 
 
 @dataclass
 class Int8KVCache:
-    """One layer's int8 K/V, their scales, and the optional full-precision ring."""
+    """One layer's 8-bit K/V, their scales, and the optional full-precision ring.
+
+    int8: values int8, scales fp16 [2, blocks, block_size, kv_heads]; fp8: values float8_e4m3fn,
+    scales fp32 [2, kv_heads]."""
 
     values: torch.Tensor
     scales: torch.Tensor
     window: torch.Tensor | None = None
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.values.dtype == FP8_DTYPE
+
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, window: int, slots: int,
-                 dtype: torch.dtype, device: torch.device) -> Int8KVCache:
+                 dtype: torch.dtype, device: torch.device, cache_format: str = "int8") -> Int8KVCache:
         ring = (torch.zeros(2, slots, window, kv_heads, head_dim, dtype=dtype, device=device)
                 if window else None)
+        if cache_format == "fp8":
+            values = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.uint8, device=device)
+            return cls(values.view(FP8_DTYPE), torch.ones(2, kv_heads, dtype=torch.float32, device=device), ring)
         return cls(torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.int8, device=device),
                    torch.zeros(2, num_blocks, block_size, kv_heads, dtype=KV_SCALE_DTYPE, device=device), ring)
+
+
+def resolve_cache_format(requested: str, device: torch.device) -> str:
+    """cache_format for cache_bits 8 on `device`. auto is int8 everywhere: uncalibrated per-head fp8 costs
+    SmolLM2 +1.7% perplexity against int8's +0.2% (docs/perf/gpu.md), so fp8 is opt-in until scales are
+    calibrated. fp8 needs CUDA sm_89+ on a GPU; on the CPU it runs the torch reference."""
+    cuda_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if requested == "auto":
+        return "int8"
+    if requested == "fp8" and device.type == "cuda" and not cuda_fp8:
+        from engine.errors import ModelLoadError
+
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ModelLoadError(f"quantization.cache_format: fp8 needs a CUDA GPU of compute capability 8.9 or "
+                             f"newer (this one is {cap}); use int8 or auto")
+    if requested not in CACHE_FORMATS:
+        raise ValueError(f"unknown cache_format {requested!r}")
+    return requested
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +91,18 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return codes.to(dtype) * scale.to(dtype).unsqueeze(-1)
 
 
+def quantize_fp8(x: torch.Tensor, head_scale: torch.Tensor) -> torch.Tensor:
+    """x [..., kv_heads, head_dim] -> E4M3 codes of x / head_scale [kv_heads], saturated at +-448."""
+    return (x.float() / head_scale.view(-1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def write_int8(cache: Int8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _, nb, bs, kvh, hd = cache.values.shape
+    if cache.is_fp8:  # index_copy_ through a byte view: not every device implements it for fp8
+        values = cache.values.view(torch.uint8).view(2, nb * bs, kvh, hd)
+        for i, x in enumerate((k, v)):
+            values[i].index_copy_(0, slot_mapping, quantize_fp8(x, cache.scales[i]).view(torch.uint8))
+        return
     values = cache.values.view(2, nb * bs, kvh, hd)
     scales = cache.scales.view(2, nb * bs, kvh)
     for i, x in enumerate((k, v)):
@@ -72,6 +118,12 @@ def gather_dequantized(cache: Int8KVCache, block_tables: torch.Tensor, dtype: to
     b, nb = block_tables.shape
     idx = block_tables.reshape(-1)
     out = []
+    if cache.is_fp8:
+        values = cache.values.view(torch.uint8)
+        for i in range(2):
+            codes = values[i].index_select(0, idx).view(FP8_DTYPE).view(b, nb * bs, kvh, hd)
+            out.append((codes.float() * cache.scales[i].float().view(1, 1, kvh, 1)).to(dtype))
+        return out[0], out[1]
     for i in range(2):
         codes = cache.values[i].index_select(0, idx).view(b, nb * bs, kvh, hd)
         scale = cache.scales[i].index_select(0, idx).view(b, nb * bs, kvh)

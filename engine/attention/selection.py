@@ -59,15 +59,26 @@ def _triton_ok() -> bool:
     return True
 
 
-def select_int8_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
-                        head_dim: int) -> TorchInt8AttentionBackend:
-    """The backend for cache_bits 8: the C++ decode kernel on the CPU when it builds, else the
-    torch reference (also on CUDA, until a GPU kernel reads int8 KV)."""
-    if device.type == "cpu" and name in ("auto", "cpu_paged"):
+def select_int8_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                        cache_format: str = "int8") -> AttentionBackend:
+    """The backend for cache_bits 8 (`cache_format` int8 or fp8, already resolved for the device).
+
+    CUDA: the Triton kernels that read the codes in place (engine/attention/triton_kvq.py), unless
+    `torch` asks for the reference. CPU: the C++ kernels for int8 when they build, else the torch
+    reference (fp8 always: it dequantizes, so the engine's fp8 numerics run anywhere). `triton` on the
+    CPU runs the Triton kernels interpreted (TRITON_INTERPRET=1, tests).
+    """
+    if name == "triton" or (device.type == "cuda" and name != "torch" and _triton_ok()):
+        if name not in ("auto", "triton"):
+            log.warning("attention backend %r does not read an 8-bit KV cache; using the Triton kernels", name)
+        from engine.attention.triton_kvq_backend import TritonQuantAttentionBackend
+
+        return TritonQuantAttentionBackend(num_heads, num_kv_heads, head_dim)
+    if device.type == "cpu" and name in ("auto", "cpu_paged") and cache_format == "int8":
         from engine.kernels.cpu_build import kernels_available
 
         if kernels_available():
             return CpuPagedInt8AttentionBackend(num_heads, num_kv_heads, head_dim)
     if name not in ("auto", "torch", "cpu_paged"):
-        log.warning("attention backend %r does not read an int8 KV cache; using the torch reference", name)
+        log.warning("attention backend %r does not read an 8-bit KV cache; using the torch reference", name)
     return TorchInt8AttentionBackend(num_heads, num_kv_heads, head_dim)

@@ -64,11 +64,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, s_row, s_cos, s_kv, s_slot,
+def _int8_codes(x, absmax):
+    """Row codes as engine.attention.kv_int8.quantize_rows makes them: the fp16 scale absmax / 127 first,
+    then x / scale rounded half to even (adding and taking away 1.5 * 2**23 rounds an fp32 of magnitude
+    below 2**22 to an integer, in the hardware's round-to-nearest-even)."""
+    scale = tl.minimum(tl.maximum(absmax / 127.0, 6.103515625e-05), 65504.0).to(tl.float16).to(tl.float32)
+    r = x / scale[:, None]
+    r = (r + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
+def _e4m3_codes(x, scale, out_dtype: tl.constexpr):
+    """E4M3 codes of x / scale, saturated at +-448 and rounded half to even onto the E4M3 grid in fp32 first,
+    so the cast itself is exact (Triton's interpreter mis-rounds casts whose rounding carries into the
+    exponent). Normal values: round the fp32 bits to 3 mantissa bits; below 2**-6 (E4M3's subnormals):
+    to a multiple of 2**-9, by adding and taking away 1.5 * 2**14."""
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = (y + 24576.0) - 24576.0
+    return tl.where(tl.abs(y) < 0.015625, sub, normal).to(out_dtype)
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, sc_ptr, s_row, s_cos, s_kv, s_slot,
+                    s_sckv, s_scslot,
                     NQ: tl.constexpr, NKV: tl.constexpr, NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                    WRITE: tl.constexpr):
-    """One token: rotate its q and k heads in place (rotate-half layout), then store k and v at its slot."""
+                    WRITE: tl.constexpr, QUANT: tl.constexpr):
+    """One token: rotate its q and k heads in place (rotate-half layout), then store k and v at its slot:
+    as they are (QUANT 0), as int8 codes with a new fp16 scale per (token, head) (1), or as fp8 codes of
+    x / the layer's per-head scale (2)."""
     row = tl.program_id(0)
     pos = tl.load(pos_ptr + row)
     offs_h = tl.arange(0, NH_PAD)  # the q heads, then the k heads: contiguous in the qkv row
@@ -86,24 +113,49 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, s_row,
     tl.store(lo + HALF, y2, mask=m)
     if WRITE:
         slot = tl.load(slot_ptr + row)
-        km = m & (offs_h >= NQ)[:, None]
+        is_k = (offs_h >= NQ) & (offs_h < NQ + NKV)
+        km = m & is_k[:, None]
         k_dst = kv_ptr + slot * s_slot + (offs_h[:, None] - NQ) * D + offs_d[None, :]
-        tl.store(k_dst, y1.to(kv_ptr.dtype.element_ty), mask=km)
-        tl.store(k_dst + HALF, y2.to(kv_ptr.dtype.element_ty), mask=km)
         offs_v = tl.arange(0, NKV_PAD)
         offs_dv = tl.arange(0, D_PAD)
         vm = (offs_v < NKV)[:, None] & (offs_dv < D)[None, :]
         inner = offs_v[:, None] * D + offs_dv[None, :]
         v = tl.load(qkv_ptr + row * s_row + (NQ + NKV) * D + inner, mask=vm, other=0.0)
-        tl.store(kv_ptr + s_kv + slot * s_slot + inner, v.to(kv_ptr.dtype.element_ty), mask=vm)
+        k_sc = sc_ptr + slot * s_scslot + offs_h - NQ
+        v_sc = sc_ptr + s_sckv + slot * s_scslot + offs_v
+        if QUANT == 0:
+            k1 = y1.to(kv_ptr.dtype.element_ty)
+            k2 = y2.to(kv_ptr.dtype.element_ty)
+            vq = v.to(kv_ptr.dtype.element_ty)
+        elif QUANT == 1:
+            f1 = tl.where(km, y1.to(tl.float32), 0.0)
+            f2 = tl.where(km, y2.to(tl.float32), 0.0)
+            absmax = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1))
+            k1, ks = _int8_codes(f1, absmax)
+            k2 = tl.minimum(tl.maximum((f2 / ks[:, None] + 12582912.0) - 12582912.0, -127.0), 127.0).to(tl.int8)
+            fv = tl.where(vm, v.to(tl.float32), 0.0)
+            vq, vs = _int8_codes(fv, tl.max(tl.abs(fv), axis=1))
+            tl.store(k_sc, ks.to(sc_ptr.dtype.element_ty), mask=is_k)
+            tl.store(v_sc, vs.to(sc_ptr.dtype.element_ty), mask=offs_v < NKV)
+        else:
+            ks = tl.load(k_sc, mask=is_k, other=1.0)[:, None]
+            vs = tl.load(v_sc, mask=offs_v < NKV, other=1.0)[:, None]
+            k1 = _e4m3_codes(y1, ks, kv_ptr.dtype.element_ty)
+            k2 = _e4m3_codes(y2, ks, kv_ptr.dtype.element_ty)
+            vq = _e4m3_codes(v, vs, kv_ptr.dtype.element_ty)
+        tl.store(k_dst, k1, mask=km)
+        tl.store(k_dst + HALF, k2, mask=km)
+        tl.store(kv_ptr + s_kv + slot * s_slot + inner, vq, mask=vm)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor | None = None,
+                  num_heads: int, num_kv_heads: int, head_dim: int, kv_cache=None,
                   slot_mapping: torch.Tensor | None = None) -> None:
     """RoPE on the q and k parts of a fused qkv projection output [T, (H + 2 KVH) * D], in place, and,
     given a paged cache [2, num_blocks, block_size, KVH, D], the rotated k and the v of each token stored
     at its slot: one launch where torch takes about sixteen (RotaryEmbedding.apply_torch_, write_kv).
+    Given an engine.attention.kv_int8.Int8KVCache, the stored rows are quantized in the same launch,
+    to the codes and scales its torch write makes from the rotated rows (the ring is the backend's).
 
     cos/sin are the [max_positions, D] tables with both halves equal; the rotation runs in fp32 and
     rounds once (the torch path rounds after each product in half precision).
@@ -114,6 +166,13 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     if rows == 0:
         return
     write = kv_cache is not None
+    quant, scales, s_sckv, s_scslot = 0, qkv, 0, 0
+    if write and not isinstance(kv_cache, torch.Tensor):  # an 8-bit cache: codes and scales
+        scales, s_sckv = kv_cache.scales, kv_cache.scales.stride(0)
+        quant, s_scslot = (2, 0) if kv_cache.is_fp8 else (1, num_kv_heads)
+        if not kv_cache.is_fp8 and not scales.is_contiguous():
+            raise ValueError("rope_write_kv needs contiguous int8 KV scales")
+        kv_cache = kv_cache.values
     if write:
         _, _, block_size, kvh, hd = kv_cache.shape
         flat = (kv_cache.stride(-1), kv_cache.stride(-2), kv_cache.stride(-3), kv_cache.stride(-4))
@@ -121,9 +180,10 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             raise ValueError(f"rope_write_kv needs a contiguous paged cache, got {tuple(kv_cache.shape)}")
     half = head_dim // 2
     _rope_kv_kernel[(rows,)](
-        qkv, positions, cos, sin, kv_cache if write else qkv, slot_mapping if write else positions,
+        qkv, positions, cos, sin, kv_cache if write else qkv, slot_mapping if write else positions, scales,
         qkv.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0, num_kv_heads * head_dim if write else 0,
+        s_sckv, s_scslot,
         NQ=num_heads, NKV=num_kv_heads, NH_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
         NKV_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE=write,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE=write, QUANT=quant,
     )

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.attention.kv_int8 import resolve_cache_format
 from engine.attention.selection import select_backend, select_int8_backend
 from engine.config import CacheLayout, EngineConfig
 from engine.kv_cache import allocate_kv_caches, plan_cache_layout
@@ -83,7 +84,7 @@ def load_rank(spec: RankSpec, rank: int) -> RankState:
     local = plan.local_config(mc)
     if config.cache_bits == 8:
         backend = select_int8_backend(config.attention_backend, device, local.num_heads, local.num_kv_heads,
-                                      local.head_dim)
+                                      local.head_dim, resolve_cache_format(config.cache_format, device))
     else:
         backend = select_backend(config.attention_backend, device, local.num_heads, local.num_kv_heads,
                                  local.head_dim, config.block_size)

@@ -94,3 +94,53 @@ def test_int8_prefix_cache_evicts_least_recently_used_blocks(tiny_llama):
     assert cached(c) == 0  # 14 blocks hold two prompts of 6: C evicts B's blocks, not A's
     assert cached(a) == 40
     assert cached(b) < 40
+
+
+@pytest.mark.parametrize("window", [0, 128])
+def test_fp8_cache_on_the_reference_path_keeps_greedy_tokens_and_close_logprobs(tiny_llama, fp, window):
+    """E4M3 keeps 3 mantissa bits (int8 rows keep about 7), so on this random model, whose top logits
+    nearly tie, a greedy token may flip: each token must then be in full precision's top 3."""
+    q = run(tiny_llama, cache_bits=8, cache_format="fp8", kv_fp_window=window)
+    diff = (prompt_lp(q) - prompt_lp(fp)).abs().max()
+    if window:  # every row read at full precision
+        assert [a.token_ids for a in fp] == [b.token_ids for b in q]
+        assert diff < 1e-4
+        return
+    assert 0 < diff < 0.05
+    for a, b in zip(fp, q, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+        assert n == len(a.token_ids) or b.token_ids[n] in [t for t, _ in a.logprobs[n][1]]
+
+
+def test_cache_format_resolution_and_start_up_errors():
+    from engine import EngineConfig
+    from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt8AttentionBackend
+    from engine.attention.kv_int8 import resolve_cache_format
+    from engine.attention.selection import select_int8_backend
+    from engine.errors import InvalidRequestError
+
+    cpu = torch.device("cpu")
+    assert resolve_cache_format("auto", cpu) == "int8" and resolve_cache_format("fp8", cpu) == "fp8"
+    with pytest.raises(InvalidRequestError, match="cache_format"):
+        EngineConfig(cache_format="fp8")  # cache_bits 16
+    assert EngineConfig(cache_bits=8, cache_format="fp8").cache_format == "fp8"
+    # The CPU's C++ kernels read int8 only: fp8 takes the reference.
+    assert type(select_int8_backend("auto", cpu, 4, 2, 16, "fp8")) is TorchInt8AttentionBackend
+    assert type(select_int8_backend("torch", cpu, 4, 2, 16, "int8")) is TorchInt8AttentionBackend
+    from engine.kernels.cpu_build import kernels_available
+
+    if kernels_available():
+        assert type(select_int8_backend("auto", cpu, 4, 2, 16, "int8")) is CpuPagedInt8AttentionBackend
+
+
+def test_fp8_pool_takes_half_the_bytes_of_int8_scales_aside(tiny_llama):
+    from engine.kv_cache import bytes_per_block
+    from engine.models.config import ModelConfig
+
+    mc = ModelConfig.from_folder(tiny_llama)
+    fp8 = bytes_per_block(mc, 16, torch.float32, 8, "fp8")
+    assert fp8 == mc.num_layers * 2 * 16 * mc.num_kv_heads * mc.head_dim
+    assert bytes_per_block(mc, 16, torch.float32, 8, "int8") == fp8 + mc.num_layers * 2 * 16 * mc.num_kv_heads * 2
+    llm = LLM(model=str(tiny_llama), dtype="float32", cache_bits=8, cache_format="fp8", num_kv_blocks=8)
+    cache = llm.engine.kv_caches[0]
+    assert cache.is_fp8 and cache.scales.shape == (2, mc.num_kv_heads) and llm.engine.layout.cache_format == "fp8"

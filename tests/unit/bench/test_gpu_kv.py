@@ -1,0 +1,48 @@
+"""bench.gpu_kv's accounting, and its section's dry run on the CPU (small shapes)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+# Before triton is imported: without a GPU, the kernel rows run in triton's interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.gpu_check import LLAMA3_8B, write_config_only
+from bench.gpu_kv import FORMATS, kv_bytes_per_token, kv_formats, max_sequences
+from engine.models.config import ModelConfig
+
+
+def test_bytes_per_token_and_sequences_in_the_same_memory_on_the_8b_shape():
+    mc = ModelConfig.from_folder(write_config_only(LLAMA3_8B))
+    # 32 layers x K and V x 8 KV heads: 128 bf16 values, 128 fp8 codes, or 128 int8 codes + an fp16 scale.
+    assert kv_bytes_per_token(mc, "bf16", torch.bfloat16) == 32 * 2 * 8 * 128 * 2
+    assert kv_bytes_per_token(mc, "fp8", torch.bfloat16) == 32 * 2 * 8 * 128
+    assert kv_bytes_per_token(mc, "int8", torch.bfloat16) == 32 * 2 * 8 * 130
+    seqs = {fmt: max_sequences(mc, fmt, torch.bfloat16, 16 << 30, 4096) for fmt in FORMATS}
+    assert seqs == {"bf16": 32, "fp8": 64, "int8": 63}
+
+
+@pytest.mark.slow
+def test_kv_formats_dry_run_on_the_cpu():
+    result = kv_formats(torch.device("cpu"), 20e9, quick=True)
+    assert result["errors"] == {}
+    got = {(r["format"], r["context"], r["batch"]) for r in result["runs"]}
+    assert got == {(f, c, b) for f in FORMATS for c in (48, 96) for b in (1, 4)}
+    for r in result["runs"]:
+        assert r["step_ms"] > 0 and math.isclose(r["share_of_roofline"], r["roofline_step_ms"] / r["step_ms"])
+        if r["format"] == "fp8":  # the CPU's fp8 path is the torch reference
+            assert r["attention_backend"] == "torch_int8"
+    # Fewer KV bytes read at the same context and batch: fp8 < int8 < fp32 (the CPU's dtype).
+    kv = {(r["format"]): r["kv_bytes"] for r in result["runs"] if (r["context"], r["batch"]) == (96, 4)}
+    assert kv["fp8"] < kv["int8"] < kv["bf16"] / 3
+    assert result["perplexity"][0]["skipped"]
+    kernels = result["decode_kernels"]["rows"]
+    assert [r["format"] for r in kernels] == ["bf16", "int8", "fp8"]
+    # Both 8-bit kernels against the bf16 kernel on the same K/V: the quantization error, and no more.
+    assert 0 < kernels[1]["max_abs_error_vs_bf16"] < 0.05 and 0 < kernels[2]["max_abs_error_vs_bf16"] < 0.2
+    assert kernels[2]["kv_bytes"] < kernels[1]["kv_bytes"] < kernels[0]["kv_bytes"] / 3
