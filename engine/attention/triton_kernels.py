@@ -65,13 +65,27 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, s
         k = tl.load(base, mask=kvmask, other=0.0)
         v = tl.load(base + s_kv, mask=kvmask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = _softmax_step(tl.where(tmask[None, :], s, float("-inf")), m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    _store_decode(acc, m, denom, part_ptr, ml_ptr, out_ptr, b, heads, split, nsplit, offs_d, gmask, dmask,
+                  s_ob, s_oh, G, D_PAD, SPLIT)
+
+
+@triton.jit
+def _softmax_step(s, m, denom):
+    """One tile of the online softmax over masked scores s [rows, keys]: the tile's unnormalised
+    probabilities, the factor that rescales what came before, the new running max and sum."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    return p, alpha, m_new, denom * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _store_decode(acc, m, denom, part_ptr, ml_ptr, out_ptr, b, heads, split, nsplit, offs_d, gmask, dmask,
+                  s_ob, s_oh, G: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode program's result: normalised into the output, or with SPLIT its unnormalised accumulator
+    and (max, sum) into the partials that _decode_reduce_kernel merges."""
     omask = gmask[:, None] & dmask[None, :]
     if SPLIT:
         row = (b * tl.num_programs(1) * G + heads) * nsplit + split  # [G_PAD]: partial rows of these heads

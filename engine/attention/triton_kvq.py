@@ -29,6 +29,8 @@ from engine.attention.triton_kernels import (
     _allowed,
     _decode_reduce_kernel,
     _precision,
+    _softmax_step,
+    _store_decode,
     decode_splits,
     prefill_launch,
 )
@@ -104,23 +106,10 @@ def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
             ks = tl.where(ring, 1.0, ks)
             vs = tl.where(ring, 1.0, vs)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * scale)[None, :]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = _softmax_step(tl.where(tmask[None, :], s, float("-inf")), m, denom)
         acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(cdt), v, input_precision=PRECISION)
-        m = m_new
-    omask = gmask[:, None] & dmask[None, :]
-    if SPLIT:
-        prow = (b * tl.num_programs(1) * G + heads) * nsplit + split
-        tl.store(part_ptr + prow[:, None] * D_PAD + offs_d[None, :], acc, mask=omask)
-        tl.store(ml_ptr + prow * 2, m, mask=gmask)
-        tl.store(ml_ptr + prow * 2 + 1, denom, mask=gmask)
-    else:
-        out = acc / denom[:, None]
-        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+    _store_decode(acc, m, denom, part_ptr, ml_ptr, out_ptr, b, heads, split, nsplit, offs_d, gmask, dmask,
+                  s_ob, s_oh, G, D_PAD, SPLIT)
 
 
 def _ring_args(cache: Int8KVCache, win: KVWindowMetadata | None, like: torch.Tensor):

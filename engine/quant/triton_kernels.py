@@ -60,6 +60,15 @@ def quantize_rows_fp8(x: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m
 
 
 @triton.jit
+def _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS: tl.constexpr):
+    """An output tile of the GEMMs below: the bias added in fp32, then one rounding to out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -79,10 +88,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om
         # int8 -> fp32 -> x's dtype: exact for |q| <= 127, and the path the interpreter converts right.
         acc = tl.dot(a, w.to(tl.float32).to(a.dtype), acc, input_precision=PRECISION)
     acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS)
 
 
 def _w8a16_blocks(m: int) -> tuple[int, int, int, int]:
@@ -144,10 +150,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, o_ptr, b_ptr, out_ptr, M, N, K, G, s_xm, 
                 a_hi = tl.load(x_ptr + rm[:, None] * s_xm + k + 16 + r16[None, :], mask=mmask[:, None], other=0.0)
                 acc = tl.dot(a_lo, lo.to(a_lo.dtype), acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi.to(a_hi.dtype), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
@@ -189,10 +192,7 @@ def _w8a8_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, s_xm
         w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(a, w, acc)
     acc = acc * tl.load(xs_ptr + rm, mask=mmask, other=0.0)[:, None] * tl.load(ws_ptr + rn, mask=nmask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS)
 
 
 def w8a8_fp8_linear(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
