@@ -94,6 +94,10 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built here: there is no one-call decoder to time")
     torch.set_num_threads(args.threads)
     data = {**run_info("bench.single_stream", args.threads), "rounds": args.rounds, "tokens": args.tokens, "arms": {}}
+    from engine.kernels.cpu_build import host_isa
+
+    # A capped ISA (INFINILM_CPU_ISA) is not the host's own figure: its JSON and docs sections are its own.
+    data["suffix"] = "" if data["isa"] == host_isa() else f"-{data['isa']}"
     llms, clocks = {}, {}
     for arm, huge in ARMS.items():
         t0 = time.perf_counter()
@@ -129,7 +133,7 @@ def main() -> None:
     for arm in llms:
         rounds = data["arms"][arm]["rounds"]
         data["arms"][arm]["median"] = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    write_json("single_stream.json", data)
+    write_json(f"single_stream{data['suffix']}.json", data)
 
     headers = ["pages", "engine start s", "read GB/s", "floor ms", "step ms", "decode_layers ms", "LM head ms",
                "rest of step ms", "weights read at GB/s", "share of floor (median of rounds)", "tok/s"]
@@ -143,7 +147,7 @@ def main() -> None:
         f"- {arm}: " + "; ".join(f"{r['read_gbps']:.0f} GB/s, {r['step_ms']:.1f} ms, {r['share'] * 100:.0f}%"
                                  for r in v["rounds"]) for arm, v in data["arms"].items())
     publish_table(
-        "single_stream", "Where a single stream's decode step goes (SmolLM2-135M, fp32 panels, CPU)", data,
+        f"single_stream{data['suffix']}", f"Where a single stream's decode step goes (SmolLM2-135M, fp32 panels, CPU, {data['isa']} kernels)", data,
         f"one greedy request, 128 prompt tokens, {args.tokens} output tokens; two engines in one process, "
         f"`huge_pages` false and auto (the default: the decode-streamed weights in huge pages), alternating "
         f"{args.rounds} rounds. Per round, the decode steps' mean split "
@@ -170,7 +174,7 @@ def peer_section(args, data: dict, text_ids: list[int]) -> None:
     except llamacpp_peer.PeerMissing as missing:
         peer["llamacpp"] = {"missing": str(missing)}
     data["peer"] = peer
-    write_json("single_stream.json", data)
+    write_json(f"single_stream{data['suffix']}.json", data)
     rows = [("engine (default weights: compact panels)", f"{engine['decode_tok_s']:.1f}",
              f"{engine['prefill_tok_s']:.0f}", "1.00x", "1.00x")]
     lc = peer["llamacpp"]
@@ -185,8 +189,9 @@ def peer_section(args, data: dict, text_ids: list[int]) -> None:
                      f"{lc['prefill_tok_s']:.0f}", f"{engine['decode_tok_s'] / lc['decode_tok_s']:.2f}x",
                      f"{engine['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x"))
         peer["same_greedy_tokens"] = same
+    write_json(f"single_stream{data['suffix']}.json", data)  # again, with the token comparison
     publish_table(
-        "single_stream_llamacpp", "Single stream against llama.cpp (SmolLM2-135M Q4_1 GGUF, CPU)", data,
+        f"single_stream_llamacpp{data['suffix']}", f"Single stream against llama.cpp (SmolLM2-135M Q4_1 GGUF, CPU, {data['isa']} kernels)", data,
         f"the same GGUF file ({Path(peer['gguf']).name}) and {args.threads} threads; decode: {args.tokens} greedy "
         "tokens after a 128-token prompt, from the second token on; prefill: a 400-token prompt alone. The engine "
         f"with its defaults for the file (compact panels), llama.cpp in its own environment; {args.rounds} rounds "
