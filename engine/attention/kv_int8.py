@@ -62,8 +62,8 @@ class Int8KVCache:
 
 
 def resolve_cache_format(requested: str, device: torch.device) -> str:
-    """cache_format for cache_bits 8 on `device`. auto is int8 everywhere: uncalibrated per-head fp8 costs
-    SmolLM2 +1.7% perplexity against int8's +0.2% (docs/perf/gpu.md), so fp8 is opt-in until scales are
+    """cache_format for cache_bits 8 on `device`. auto is int8 everywhere: uncalibrated per-head fp8 loses
+    more perplexity than per-token int8 (docs/perf/gpu.md), so fp8 is opt-in until its scales are
     calibrated. fp8 needs CUDA sm_89+ on a GPU; on the CPU it runs the torch reference."""
     cuda_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if requested == "auto":

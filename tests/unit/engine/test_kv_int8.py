@@ -133,6 +133,21 @@ def test_cache_format_resolution_and_start_up_errors():
         assert type(select_int8_backend("auto", cpu, 4, 2, 16, "int8")) is CpuPagedInt8AttentionBackend
 
 
+@pytest.mark.parametrize(("capability", "fp8_ok"), [((9, 0), True), ((8, 0), False)])
+def test_auto_is_int8_on_every_gpu_and_fp8_is_refused_below_sm89(monkeypatch, capability, fp8_ok):
+    from engine.attention.kv_int8 import resolve_cache_format
+    from engine.errors import ModelLoadError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    assert resolve_cache_format("auto", gpu) == "int8"
+    if fp8_ok:
+        assert resolve_cache_format("fp8", gpu) == "fp8"
+    else:
+        with pytest.raises(ModelLoadError, match=r"8\.9 or newer"):
+            resolve_cache_format("fp8", gpu)
+
+
 def test_fp8_pool_takes_half_the_bytes_of_int8_scales_aside(tiny_llama):
     from engine.kv_cache import bytes_per_block
     from engine.models.config import ModelConfig
