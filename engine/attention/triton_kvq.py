@@ -38,6 +38,28 @@ from engine.transfer import to_device
 
 
 @triton.jit
+def _load_codes(val_ptr, sc_ptr, block, offs_t, offs_d, tmask, dmask, kh, k_scale, v_scale,
+                s_kv, s_blk, s_tok, s_head, s_sckv, s_scblk, s_sctok, cdt: tl.constexpr,
+                BS: tl.constexpr, PAGES: tl.constexpr, PER_ROW: tl.constexpr):
+    """A tile of K and V codes from the paged pool and their scales, for the tokens in tmask.
+
+    Codes convert exactly to the query's dtype; each key's scale multiplies its score column, each
+    value's scale its probability column: q.(c s) = (q.c) s, so no fp32 tile of K or V is formed."""
+    row = block * s_blk + (offs_t % BS) * s_tok + kh * s_head
+    lmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=lmask, other=0.0).to(cdt)
+    v = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=lmask, other=0.0).to(cdt)
+    if PER_ROW:
+        srow = block * s_scblk + (offs_t % BS) * s_sctok + kh
+        ks = tl.load(sc_ptr + srow, mask=tmask, other=1.0).to(tl.float32)
+        vs = tl.load(sc_ptr + s_sckv + srow, mask=tmask, other=1.0).to(tl.float32)
+    else:
+        ks = tl.full([PAGES * BS], 1.0, tl.float32) * k_scale
+        vs = tl.full([PAGES * BS], 1.0, tl.float32) * v_scale
+    return k, v, ks, vs
+
+
+@triton.jit
 def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, ring_ptr, wslot_ptr,
                     wlo_ptr, scale, blocks_per_split,
                     s_qb, s_qh, s_kv, s_blk, s_tok, s_head, s_sckv, s_scblk, s_sctok, s_bt, s_ob, s_oh,
@@ -83,19 +105,8 @@ def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
         ring = tmask & (tok >= lo)  # rows read at full precision instead
         pool = tmask & (tok < lo)
         block = tl.load(bt_ptr + b * s_bt + page, mask=page < last, other=0)
-        row = block * s_blk + (offs_t % BS) * s_tok + kh * s_head
-        pmask = pool[:, None] & dmask[None, :]
-        # Codes convert exactly to the query's dtype; each key's scale multiplies its score column, each
-        # value's scale its probability column: q.(c s) = (q.c) s, so no fp32 tile of K or V is formed.
-        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=pmask, other=0.0).to(cdt)
-        v = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=pmask, other=0.0).to(cdt)
-        if PER_ROW:
-            srow = block * s_scblk + (offs_t % BS) * s_sctok + kh
-            ks = tl.load(sc_ptr + srow, mask=pool, other=1.0).to(tl.float32)
-            vs = tl.load(sc_ptr + s_sckv + srow, mask=pool, other=1.0).to(tl.float32)
-        else:
-            ks = tl.full([PAGES * BS], 1.0, tl.float32) * k_scale
-            vs = tl.full([PAGES * BS], 1.0, tl.float32) * v_scale
+        k, v, ks, vs = _load_codes(val_ptr, sc_ptr, block, offs_t, offs_d, pool, dmask, kh, k_scale, v_scale,
+                                   s_kv, s_blk, s_tok, s_head, s_sckv, s_scblk, s_sctok, cdt, BS, PAGES, PER_ROW)
         if W > 0:
             rrow = slot * s_rslot + (tok % W) * s_rrow + kh * s_rhead
             rmask = ring[:, None] & dmask[None, :]
@@ -219,18 +230,8 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
         block = tl.load(bt_ptr + span * s_bt + page, mask=page < num_blocks, other=0)
         kr = j * BS + offs_t
         kmask = kr < hi
-        row = block * s_blk + (offs_t % BS) * s_tok + kh * s_head
-        lmask = kmask[:, None] & dmask[None, :]
-        # As in decode: codes in the query's dtype, scales on the score and probability columns.
-        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=lmask, other=0.0).to(cdt)
-        v = tl.load(val_ptr + s_kv + row[:, None] + offs_d[None, :], mask=lmask, other=0.0).to(cdt)
-        if PER_ROW:
-            srow = block * s_scblk + (offs_t % BS) * s_sctok + kh
-            ks = tl.load(sc_ptr + srow, mask=kmask, other=1.0).to(tl.float32)
-            vs = tl.load(sc_ptr + s_sckv + srow, mask=kmask, other=1.0).to(tl.float32)
-        else:
-            ks = tl.full([PAGES * BS], 1.0, tl.float32) * k_scale
-            vs = tl.full([PAGES * BS], 1.0, tl.float32) * v_scale
+        k, v, ks, vs = _load_codes(val_ptr, sc_ptr, block, offs_t, offs_d, kmask, dmask, kh, k_scale, v_scale,
+                                   s_kv, s_blk, s_tok, s_head, s_sckv, s_scblk, s_sctok, cdt, BS, PAGES, PER_ROW)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * scale)[None, :]
         # Without a window ring_start is kv_len, past every key: the band is empty.
         band = (kr[None, :] >= rows[:, None] + 1 - W) & (kr >= ring_start)[None, :]
