@@ -185,7 +185,47 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
         results[label] = {"kv_bytes": kv_bytes, "default_us": default_ms * 1e3,
                           "default_GBps": kv_bytes / (default_ms * 1e-3) / 1e9 if default_ms == default_ms else None,
                           "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}
+    results.update(prefill_sweep(device, dtype, gen, quick))
     return results
+
+
+def prefill_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, quick: bool) -> dict:
+    """The bf16 paged prefill kernel's query-tile rows, keys per iteration and warps, timed on one causal
+    prompt: the default launch holds its tiles in registers on sm_90, the others spill (test_triton_compiles.py)."""
+    import itertools
+
+    import triton.testing
+
+    from engine.attention.metadata import PrefillSpan
+    from engine.attention.triton_kernels import PREFILL_KEYS, PREFILL_WARPS, paged_prefill, prefill_launch
+
+    bs = 16
+    label, h, kvh, d, length = ("prefill tiny", 4, 2, 32, 100) if quick else ("prefill llama3-8b 4k", 32, 8, 128, 4096)
+    blocks = -(-length // bs)
+    kv = torch.randn(2, blocks + 1, bs, kvh, d, generator=gen).to(device, dtype)
+    table = torch.randperm(blocks, generator=gen).to(device)
+    span = PrefillSpan(token_start=0, num_tokens=length, num_cached=0, block_table=table)
+    q = torch.randn(length, h, d, generator=gen).to(device, dtype)
+    scale = d**-0.5
+    want = paged_prefill(q, kv, [span], scale).float()
+    # Causal: about half the score matrix; tokens/s is the figure the engine's prefill rows report.
+    rows = []
+    for block_m, keys, warps in itertools.product((64, 128), (32, 64), (4, 8)):
+        launch = functools.partial(paged_prefill, q, kv, [span], scale, launch=prefill_launch([span], device, block_m),
+                                   num_warps=warps, keys=keys)
+        setting = {"block_m": block_m, "keys": keys, "warps": warps}
+        try:
+            err = (launch().float() - want).abs().max().item()
+            ms = triton.testing.do_bench(launch, warmup=5, rep=50, return_mode="median") if \
+                device.type == "cuda" else float("nan")
+        except Exception as exc:  # a setting the compiler refuses (e.g. out of shared memory)
+            rows.append({**setting, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        rows.append({**setting, "us": ms * 1e3, "tok_s": length / (ms * 1e-3), "max_abs_error": err})
+    default = next(r for r in rows if (r["block_m"], r["keys"], r["warps"]) == (64, PREFILL_KEYS, PREFILL_WARPS))
+    timed = [r for r in rows if "us" in r and not math.isnan(r["us"])]
+    return {label: {"default_us": default.get("us", float("nan")), "default_GBps": None,
+                    "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}}
 
 
 # ---- 2. engine against HF transformers ----------------------------------------------------------
@@ -518,9 +558,10 @@ def print_report(report: dict) -> None:
     for label, sw in (report.get("decode_sweep") or {}).items():
         if isinstance(sw, dict) and "default_us" in sw:
             best = sw["best"] or {}
+            settings = " ".join(f"{k}={v}" for k, v in best.items() if k in ("pages", "warps", "stages", "splits",
+                                                                               "block_m", "keys"))
             print(f"decode sweep {label}: default {sw['default_us']:.0f}us ({sw['default_GBps'] or 0:.0f} GB/s); best "
-                  f"{best.get('us', float('nan')):.0f}us ({best.get('GBps', 0):.0f} GB/s) with pages={best.get('pages')} "
-                  f"warps={best.get('warps')} stages={best.get('stages')} splits={best.get('splits')}")
+                  f"{best.get('us', float('nan')):.0f}us ({best.get('GBps', 0):.0f} GB/s) with {settings}")
     for line in target_lines(report):
         print(line)
 

@@ -295,12 +295,20 @@ def prefill_launch(spans, device: torch.device, block_m: int | None = None) -> P
                          max(16, triton.next_power_of_2(max_segs)))
 
 
+# Prefill tiles of 64 query rows x 32 keys over 8 warps: the sm_90 builds of Triton 3.6 and 3.9 hold them
+# in registers (tests/unit/engine/test_triton_compiles.py); 64 keys or 4 warps spill.
+PREFILL_KEYS = 32
+PREFILL_WARPS = 8
+
+
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, block_m: int | None = None,
-                  launch: PrefillLaunch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  launch: PrefillLaunch | None = None, out: torch.Tensor | None = None,
+                  num_warps: int = PREFILL_WARPS, keys: int = PREFILL_KEYS) -> torch.Tensor:
     """Attention for every prefill span; q: [T, H, D] (rows of the spans), K/V already in the cache.
 
     Returns `out` (a new [T, H, D] tensor when None) with the spans' rows written; other rows are left
-    as they were. `launch` is prefill_launch(spans) when the caller keeps it across layers.
+    as they were. `launch` is prefill_launch(spans) when the caller keeps it across layers. `num_warps`
+    and `keys` (read per iteration) are for bench.gpu_check's sweep.
     """
     _, h, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
@@ -313,7 +321,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, 
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1), launch.tables.stride(0), launch.segs.stride(0),
         G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=launch.block_m,
-        PAGES=max(1, 64 // bs), NSEG_PAD=launch.nseg_pad, PRECISION=_precision(kv_cache),
+        PAGES=max(1, keys // bs), NSEG_PAD=launch.nseg_pad, PRECISION=_precision(kv_cache), num_warps=num_warps,
     )
     return out
 

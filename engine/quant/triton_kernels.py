@@ -93,12 +93,13 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om
 
 def _w8a16_blocks(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode rows stream W in narrow column tiles, so that
-    many programs share the weight's bandwidth; prefill rows take square tiles that reuse each W tile."""
+    many programs share the weight's bandwidth; prefill rows take square tiles that reuse each W tile.
+    Each tile is one that sm_90 compiles without spilling (tests/unit/engine/test_triton_compiles.py)."""
     if m <= 16:
         return 16, 64, 128, 4
     if m <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 64, 8
+        return 64, 64, 32, 4
+    return 128, 128, 32, 8
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -3,51 +3,25 @@
 The interpreter the other kernel tests run is plain Python over numpy: it does not check what Triton's
 compiler does (types carried through loops, fp8 conversions, dot operand types). This compiles each
 kernel variant the engine launches for the 8B shape in bf16 and reads its registers and spills with
-the cuobjdump beside ptxas. It runs in a subprocess: a test process that interprets the kernels cannot
-also compile them.
+the cuobjdump beside ptxas (tests/unit/engine/sm90_compile.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.unit.engine.sm90_compile import run_script
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from engine.attention.triton_kvq import PREFILL_KEYS, PREFILL_WARPS, _qdecode_kernel, _qprefill_kernel
 from engine.models.fused_ops import _rope_kv_kernel
+from tests.unit.engine.sm90_compile import compile_sm90 as compile_
 
 H, KVH, D = 32, 8, 128  # Llama-3-8B
 CODES = {"int8": ("*i8", "*fp16"), "fp8": ("*fp8e4nv", "*fp32")}
-
-def compile_(fn, ptrs, consts, scalars=None, warps=4):
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = ptrs.get(name, "*bf16")
-        else:
-            sig[name] = (scalars or {}).get(name, "fp32" if name == "scale" else "i32")
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"]); f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    regs, stack, shared, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text).groups())
-    return {"registers": regs, "stack": stack, "local": local}
 
 out = {}
 for fmt, (codes, scales) in CODES.items():
@@ -73,10 +47,7 @@ print(json.dumps(out))
 
 
 def test_8bit_kv_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    usage = run_script(SCRIPT)
     assert len(usage) == 13
     for name, r in usage.items():
         print(name, r)
