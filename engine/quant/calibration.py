@@ -151,7 +151,7 @@ def collect_statistics(model: LlamaForCausalLM, sequences: list[list[int]], bloc
         lambda m, args, out: stat_for(head, cfg.hidden_size).add(out)))
     try:
         for i, seq in enumerate(sequences):
-            _prefill(model, seq, block_size, device)
+            causal_prefill(model, seq, block_size, device)
             if progress:
                 progress(i + 1, len(sequences), "calibration")
     finally:
@@ -160,7 +160,7 @@ def collect_statistics(model: LlamaForCausalLM, sequences: list[list[int]], bloc
     return stats
 
 
-def _prefill(model: LlamaForCausalLM, ids: list[int], block_size: int, device: torch.device) -> torch.Tensor:
+def causal_prefill(model: LlamaForCausalLM, ids: list[int], block_size: int, device: torch.device) -> torch.Tensor:
     """One causal prefill of `ids` in a cache of its own; the final hidden states."""
     cfg = model.config
     n = len(ids)

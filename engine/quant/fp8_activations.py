@@ -24,7 +24,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.models.llama import LlamaForCausalLM
-from engine.quant.calibration import _prefill, linear_modules, lm_head_name
+from engine.quant.calibration import causal_prefill, linear_modules, lm_head_name
 
 POLICIES = ("auto", "all", "none")
 # Share of the fp8 linears' weight bytes that auto may keep weight-only.
@@ -59,7 +59,7 @@ def group_costs(model: LlamaForCausalLM, sequences: list[list[int]], names: Iter
     device = model.norm.weight.device
 
     def log_probs() -> list[torch.Tensor]:
-        return [model.compute_logits(_prefill(model, seq, 16, device)).float().log_softmax(-1) for seq in sequences]
+        return [model.compute_logits(causal_prefill(model, seq, 16, device)).float().log_softmax(-1) for seq in sequences]
 
     reference = log_probs()
     tokens = sum(len(seq) for seq in sequences)
