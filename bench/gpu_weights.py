@@ -10,7 +10,9 @@
    SmolLM2 (its real weights, calibrated at load; else its shape): decode steps at batch 64 and 1
    (CUDA graphs and pipelining on), prefill tokens/s, weight bytes and peak device memory, and the
    share of the HBM roofline on the bytes a decode step actually reads (quantized codes and scales,
-   not a bf16 size). SmolLM2's perplexity on GPL-3 per format, when its weights are at hand.
+   not a bf16 size). SmolLM2's perplexity on GPL-3 per format, when its weights are at hand. fp8 is
+   timed with every linear W8A8; beside it, SmolLM2's default choice (fp8-auto: some layer roles keep
+   bf16 activations) and, on the 8B shape, every linear weight-only (fp8-w8a16), auto's other bound.
 Prints a table and writes JSON under $OUT (or bench/results/).
 """
 
@@ -36,8 +38,14 @@ from bench.gpu_check import (
     write_config_only,
 )
 
-FORMATS = {"bf16": {}, "fp8": {"weight_bits": 8, "weight_format": "fp8"},
+FP8 = {"weight_bits": 8, "weight_format": "fp8"}
+# fp8: every linear W8A8; fp8-auto: the engine's default, layer roles chosen on the calibration data keep
+# bf16 activations (real weights only: random ones have no calibration, so auto is fp8 there);
+# fp8-w8a16: every linear weight-only on its fp8 codes (dummy weights only), auto's other bound.
+FORMATS = {"bf16": {}, "fp8": {**FP8, "fp8_activations": "all"}, "fp8-auto": {**FP8, "fp8_activations": "auto"},
+           "fp8-w8a16": {**FP8, "fp8_activations": "none"},
            "int8": {"weight_bits": 8, "weight_format": "int8"}, "int4": {"weight_bits": 4}}
+ONLY = {"fp8-auto": False, "fp8-w8a16": True}  # format -> the dummy flag of the models it runs on
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 # (name, N, K) of a Llama-3-8B layer's linears.
 LAYER_8B = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -133,6 +141,7 @@ def engine_rows(name: str, path: Path, device: torch.device, dtype: str, dummy: 
                 steps: int, batches: tuple[int, ...], bandwidth: float, ppl_tokens: int = 0) -> dict:
     from engine import LLM, SamplingParams
     from engine.perplexity import perplexity
+    from engine.quant.fp8_activations import w8a8_share
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -146,6 +155,7 @@ def engine_rows(name: str, path: Path, device: torch.device, dtype: str, dummy: 
     proj = engine.model.layers[0].mlp.down_proj
     result: dict = {"model": name, "format": fmt, "build_s": time.perf_counter() - t, "context": context,
                     "linear": type(proj).__name__, "weight_bytes": engine.weight_bytes,
+                    "w8a8_share": w8a8_share(engine.model),
                     "decode_weight_bytes": decode_weight_bytes(engine), "runs": []}
     mc = engine.model_config
     kv_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine.kv_caches[0].element_size()
@@ -238,6 +248,8 @@ def weight_formats(device: torch.device, quick: bool, bandwidth: float, smollm2_
                4096 if smol else 0)]
     for name, path, dummy, ppl in models:
         for fmt in FORMATS:
+            if ONLY.get(fmt, dummy) != dummy:
+                continue
             try:
                 report["engines"].append(engine_rows(name, path, device, dtype, dummy, fmt, 128 if quick else 1024,
                                                      4 if quick else 32, (8, 1) if quick else (64, 1), bandwidth, ppl))
@@ -256,18 +268,19 @@ def print_rows(report: dict) -> None:
     for r in report.get("linears", []):
         print(f"linear {r['layer']:8} m={r['m']:<5} {r['format']:5} rel err {r['rel_err']:.2e} "
               f"{r['us']:9.1f} us (bf16 {r['bf16_us']:9.1f} us, {r['speedup']:.2f}x)")
-    print(f"{'model':18} {'format':6} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'prefill tok/s':>13} {'roof ms':>8} "
-          f"{'share':>6} {'weights MiB':>11} {'peak MiB':>9} {'ppl':>7}")
+    print(f"{'model':18} {'format':9} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'prefill tok/s':>13} {'roof ms':>8} "
+          f"{'share':>6} {'weights MiB':>11} {'peak MiB':>9} {'ppl':>7} {'W8A8':>5}")
     for e in report.get("engines", []):
         if "error" in e:
-            print(f"{e['model']:18} {e['format']:6} error: {e['error']}")
+            print(f"{e['model']:18} {e['format']:9} error: {e['error']}")
             continue
         peak = "-" if e["peak_memory_bytes"] is None else f"{e['peak_memory_bytes'] / 2**20:.0f}"
         ppl = f"{e['perplexity']:.3f}" if "perplexity" in e else "-"
+        w8a8 = "-" if e.get("w8a8_share") is None else f"{e['w8a8_share']:.0%}"  # of the fp8 weight bytes
         for r in e["runs"]:
-            print(f"{e['model']:18} {e['format']:6} {r['batch']:5d} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
+            print(f"{e['model']:18} {e['format']:9} {r['batch']:5d} {r['step_ms']:8.2f} {r['decode_tok_s']:9.1f} "
                   f"{r['prefill_tok_s']:13.0f} {r['roofline_step_ms']:8.2f} {r['share_of_roofline']:6.1%} "
-                  f"{e['decode_weight_bytes'] / 2**20:11.0f} {peak:>9} {ppl:>7}")
+                  f"{e['decode_weight_bytes'] / 2**20:11.0f} {peak:>9} {ppl:>7} {w8a8:>5}")
     for r in report.get("speedups", []):
         print(f"{r['model']} {r['format']} batch {r['batch']}: {r['x_bf16']:.2f}x bf16 decode")
     for line in report.get("targets", []):

@@ -21,6 +21,10 @@ def ppl_command(
     weight_format: str = typer.Option("auto", "--weight-format",
                                       help="With --quant 8: fp8, int8, or auto (fp8 on GPUs of compute capability "
                                            "8.9+, int8 elsewhere)."),
+    fp8_activations: str = typer.Option("auto", "--fp8-activations",
+                                        help="With fp8 weights: all (W8A8), none (W8A16 on the fp8 bytes), or auto "
+                                             "(the layer roles chosen on the calibration data keep full-precision "
+                                             "activations)."),
     cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8 (int8)."),
     cache_format: str = typer.Option("auto", "--cache-format",
                                      help="With --cache-bits 8: int8, fp8, or auto (int8)."),
@@ -48,9 +52,11 @@ def ppl_command(
     from engine.errors import ModelLoadError, RequestError
     from engine.model_registry import ModelNotFoundError
     from engine.perplexity import perplexity
+    from engine.quant.fp8_activations import w8a8_share
 
     try:
-        llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format, cache_bits=cache_bits,
+        llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format,
+                  fp8_activations=fp8_activations, cache_bits=cache_bits,
                   cache_format=cache_format, kv_fp_window=kv_fp_window, calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
@@ -66,6 +72,7 @@ def ppl_command(
     seconds = time.perf_counter() - start
     if as_json:
         typer.echo(json.dumps({"model": model, "weight_bits": quant, "weight_format": weight_format,
+                               "fp8_activations": fp8_activations, "w8a8_share": w8a8_share(llm.engine.model),
                                "cache_bits": cache_bits,
                                "cache_format": llm.engine.layout.cache_format if cache_bits == 8 else None,
                                "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,

@@ -40,6 +40,10 @@ def quantize_command(
     weight_format: str = typer.Option("int", "--format",
                                       help="int: our layout (int8 or int4); fp8: E4M3 per output channel in the "
                                            "compressed-tensors layout other engines load too."),
+    fp8_activations: str = typer.Option("auto", "--fp8-activations",
+                                        help="--format fp8: which linears round their activations to fp8 at run "
+                                             "time: all, none, or auto (chosen on the calibration data). Saved "
+                                             "per layer in the compressed-tensors config."),
     out: Path = typer.Option(..., "--out", "-o", file_okay=False,
                              help="Folder to write; it must not exist or be empty unless --force."),
     calib: Path | None = typer.Option(
@@ -58,6 +62,10 @@ def quantize_command(
     fp8 = weight_format == "fp8"
     if fp8 and bits not in (None, 8):
         raise _fail(f"--format fp8 is 8 bits; --bits {bits} does not go with it")
+    if fp8_activations not in ("auto", "all", "none"):
+        raise _fail(f"--fp8-activations must be auto, all or none, got {fp8_activations!r}")
+    if fp8_activations != "auto" and not fp8:
+        raise _fail(f"--fp8-activations {fp8_activations} goes with --format fp8")
     bits = 8 if fp8 else bits
     if bits is None:
         raise _fail("--bits is needed with --format int: 8 or 4")
@@ -83,10 +91,11 @@ def quantize_command(
         mc = ModelConfig.from_folder(folder)
         tokenizer = Tokenizer(folder, mc.eos_token_ids) if (folder / "tokenizer.json").is_file() else None
         with stage_progress() as progress:
-            state, qconfig = quantize_pretrained(folder, mc, QuantSpec(bits, group_size, calibrate, fp8=fp8),
+            state, qconfig = quantize_pretrained(folder, mc, QuantSpec(bits, group_size, calibrate, fp8=fp8,
+                                                                   fp8_activations=fp8_activations),
                                                  tokenizer, calib, progress=progress)
         if fp8:
-            record = {k: qconfig[k] for k in ("calibrated", "calibration")}
+            record = {k: qconfig.get(k) for k in ("calibrated", "calibration", "fp8_activations")}
             state, ct_config = to_compressed_tensors(state, qconfig, mc, checkpoint_dtype(folder))
             written = save_quantized(folder, out, state, ct_config, overwrite=force, record=record)
         else:

@@ -124,6 +124,11 @@ class QuantizationSettings(Settings):
     # weight_bits 8: fp8 (E4M3 weights, activations scaled per token: W8A8 on CUDA sm_89+) or int8
     # (weight-only). auto: fp8 where the GPU multiplies fp8 (sm_89+), int8 elsewhere, the CPU included.
     weight_format: Literal["auto", "fp8", "int8"] = "auto"
+    # fp8 weights: which linears also round their activations to E4M3 per token (W8A8) rather than keep
+    # them in the model's dtype (W8A16 on the same fp8 bytes). all, none, or auto: the layer roles whose
+    # rounding costs the most on the calibration data, up to 30% of the weight bytes
+    # (engine/quant/fp8_activations.py); a saved fp8 checkpoint keeps its own choice under auto.
+    fp8_activations: Literal["auto", "all", "none"] = "auto"
     # int4: inputs per quantization group (a layer whose width it does not divide uses less).
     weight_group_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 128
     cache_bits: Literal[16, 8] = 16
@@ -144,6 +149,9 @@ class QuantizationSettings(Settings):
             msgspec.structs.force_setattr(self, "calibration_file", str(path))
         require(self.weight_format == "auto" or self.weight_bits == 8, "weight_format",
                 f"{self.weight_format} is an 8-bit weight format; it needs weight_bits: 8, got {self.weight_bits}")
+        require(self.fp8_activations == "auto" or (self.weight_bits == 8 and self.weight_format != "int8"),
+                "fp8_activations", f"{self.fp8_activations} chooses the activations of fp8 weights; it needs "
+                f"weight_bits: 8 and weight_format fp8 or auto, got {self.weight_bits} and {self.weight_format}")
         require(self.kv_fp_window == 0 or self.cache_bits == 8, "kv_fp_window",
                 "keeps recent rows of an int8 KV cache at full precision; it needs cache_bits: 8")
         require(self.cache_format == "auto" or self.cache_bits == 8, "cache_format",

@@ -151,7 +151,7 @@ def collect_statistics(model: LlamaForCausalLM, sequences: list[list[int]], bloc
         lambda m, args, out: stat_for(head, cfg.hidden_size).add(out)))
     try:
         for i, seq in enumerate(sequences):
-            _prefill(model, seq, block_size, device)
+            causal_prefill(model, seq, block_size, device)
             if progress:
                 progress(i + 1, len(sequences), "calibration")
     finally:
@@ -160,7 +160,8 @@ def collect_statistics(model: LlamaForCausalLM, sequences: list[list[int]], bloc
     return stats
 
 
-def _prefill(model: LlamaForCausalLM, ids: list[int], block_size: int, device: torch.device) -> None:
+def causal_prefill(model: LlamaForCausalLM, ids: list[int], block_size: int, device: torch.device) -> torch.Tensor:
+    """One causal prefill of `ids` in a cache of its own; the final hidden states."""
     cfg = model.config
     n = len(ids)
     blocks = -(-n // block_size)
@@ -170,4 +171,4 @@ def _prefill(model: LlamaForCausalLM, ids: list[int], block_size: int, device: t
     rows = torch.arange(n, device=device)
     meta = AttentionMetadata(slot_mapping=rows, prefills=[
         PrefillSpan(token_start=0, num_tokens=n, num_cached=0, block_table=torch.arange(blocks, device=device))])
-    model(torch.tensor(ids, device=device), rows, caches, meta)
+    return model(torch.tensor(ids, device=device), rows, caches, meta)

@@ -41,12 +41,16 @@ class QuantSpec:
     error_feedback: bool = False
     # 8 bits as fp8 (E4M3) codes instead of int8; the LM head and embedding table stay full precision.
     fp8: bool = False
+    # fp8: which linears round their activations to E4M3 (engine/quant/fp8_activations.py): auto, all, none.
+    fp8_activations: str = "auto"
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):
             raise ValueError(f"quantization takes 8 or 4 bits, got {self.bits}")
         if self.fp8 and self.bits != 8:
             raise ValueError(f"fp8 weights take 8 bits, got {self.bits}")
+        if self.fp8_activations not in ("auto", "all", "none"):
+            raise ValueError(f"fp8_activations must be auto, all or none, got {self.fp8_activations!r}")
 
 
 def weight_format(spec: QuantSpec) -> str:
@@ -59,8 +63,10 @@ def group_for(spec: QuantSpec, in_features: int) -> int | None:
 
 @torch.no_grad()
 def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats: dict[str, LayerStats] | None = None,
-                                progress: Progress | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+                                progress: Progress | None = None,
+                                weight_only: frozenset[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict]:
     """The quantized model's state dict (fp32 for what stays full precision) and its quant config.
+    fp8 linears named in `weight_only` keep their activations at full precision (`act_fp8` False).
 
     With `stats` and `spec.calibrated`: int8 layers get the per-channel clipping of least output
     error on the calibration activations; int4 layers first get activation-aware input scaling
@@ -132,6 +138,8 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
         prefix = f"{name}.table" if name == "embed_tokens" else name
         sd.update(q.tensors(prefix))
         modules[name] = {"bits": spec.bits, "group_size": group, "format": weight_format(spec)}
+        if spec.fp8:
+            modules[name]["act_fp8"] = name not in weight_only
         done += 1
         if progress:
             progress(done, total, "quantizing")
@@ -158,7 +166,8 @@ def create_quantized_state_dict(model: LlamaForCausalLM, spec: QuantSpec, stats:
 
 def convert_for_runtime(model: LlamaForCausalLM, qconfig: dict, dtype: torch.dtype) -> LlamaForCausalLM:
     """Swap in the quantized modules the quant config lists (works on the meta device). A record
-    without a "format" is an integer one (checkpoints from before fp8)."""
+    without a "format" is an integer one (checkpoints from before fp8); an fp8 one without "act_fp8"
+    is W8A8 (from before the choice)."""
     for name, record in qconfig["modules"].items():
         bits, group = int(record["bits"]), record.get("group_size")
         if name == "embed_tokens":
@@ -169,7 +178,7 @@ def convert_for_runtime(model: LlamaForCausalLM, qconfig: dict, dtype: torch.dty
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         if record.get("format") == "fp8":
-            new = Fp8Linear(old.in_features, old.out_features, old.bias is not None)
+            new = Fp8Linear(old.in_features, old.out_features, old.bias is not None, record.get("act_fp8", True))
         else:
             new = make_quantized_linear(old.in_features, old.out_features, old.bias is not None, bits, group)
         setattr(parent, attr, new)

@@ -7,6 +7,10 @@ torch._scaled_mm with row-wise scales, accumulating in fp32 and writing bf16. Ev
 CPU, so CI) the reference path computes the same products in full precision: activations rounded
 per token to E4M3 and back, weights dequantized a slice at a time. The LM head and the embedding
 table stay in the model's dtype.
+
+A layer with `act_fp8` False keeps its activations in the model's dtype (W8A16): on CUDA the Triton
+weight-only GEMM reads the same E4M3 codes, elsewhere the reference path skips the rounding. Which
+layers: engine/quant/fp8_activations.py.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.errors import InvalidRequestError
-from engine.quant.modules import Int8Linear, _sliced_linear
+from engine.quant.modules import Int8Linear, _sliced_linear, _use_triton
 from engine.quant.quantizers import FP8_DTYPE, dequantize_int8, int8_scales, quantize_int8, quantize_rows_fp8
 
 log = logging.getLogger(__name__)
@@ -65,13 +69,16 @@ def _scaled_mm_ok(x: torch.Tensor, k: int, n: int) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """W8A8: E4M3 weights with one fp32 scale per output channel, activations scaled per token."""
+    """E4M3 weights with one fp32 scale per output channel. `act_fp8` True: W8A8, activations scaled
+    per token; False: W8A16, activations stay in the model's dtype and the codes are dequantized in
+    registers by the Triton weight-only GEMM (the same weight bytes read)."""
 
     bits = 8
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, act_fp8: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.act_fp8 = act_fp8
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
         self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -80,6 +87,12 @@ class Fp8Linear(nn.Module):
         return dequantize_int8(self.qweight[rows], self.scales[rows], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.act_fp8:
+            if _use_triton(x):
+                from engine.quant.triton_kernels import w8a16_linear
+
+                return w8a16_linear(x, self.qweight, self.scales, self.bias)
+            return _sliced_linear(x, self.out_features, self.bias, self.dequantize)
         if _scaled_mm_ok(x, self.in_features, self.out_features):
             return self._forward_scaled_mm(x)
         return _sliced_linear(fake_quantize_rows(x), self.out_features, self.bias, self.dequantize)
@@ -102,7 +115,8 @@ class Fp8Linear(nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format=fp8"
+        acts = "fp8" if self.act_fp8 else "full"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format=fp8, activations={acts}"
 
 
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:

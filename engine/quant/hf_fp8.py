@@ -12,7 +12,9 @@ exactly. NOTE: block scales do not, so a block-wise weight is dequantized at loa
 again per output channel (one more E4M3 rounding: half a step, at most 1/16 of a weight): the
 row-wise scaled_mm kernel then serves every layout.
 Static activation scales (`input_scale`) are not read: activations are scaled per token at run time,
-which is at least as accurate. The fused qkv and gate_up weights are assembled from the checkpoint's
+which is at least as accurate. A layer whose compressed-tensors group has `input_activations: null`
+is weight-only (Fp8Linear.act_fp8 False), and is written so: such groups list their layers by name,
+which takes precedence over a class target ("Linear") in compressed-tensors' matching. The fused qkv and gate_up weights are assembled from the checkpoint's
 separate q/k/v and gate/up tensors, with their scales, so the load ends in the same
 `build_quantized_model` as our own checkpoints.
 """
@@ -20,6 +22,7 @@ separate q/k/v and gate/up tensors, with their scales, so the load ends in the s
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import torch
@@ -127,7 +130,10 @@ def load_external_fp8(folder: Path, cfg: ModelConfig, backend: AttentionBackend,
             module = target.rpartition(".")[0]
             put(f"{module}.qweight", shard, codes)
             put(f"{module}.scales", shard, scales)
-            modules[module] = {"bits": 8, "group_size": None, "format": "fp8"}
+            record = {"bits": 8, "group_size": None, "format": "fp8",
+                      "act_fp8": activations_quantized(cfg.quantization, prefix)}
+            if modules.setdefault(module, record) != record:
+                raise ModelLoadError(f"{folder}: the parts of {module!r} differ in whether their inputs are quantized")
         else:
             put(target, shard, tensor)
     state = {}
@@ -147,6 +153,20 @@ def load_external_fp8(folder: Path, cfg: ModelConfig, backend: AttentionBackend,
                                  max_positions, dtype, device)
 
 
+def activations_quantized(qconfig: dict, name: str) -> bool:
+    """Whether the checkpoint quantizes the inputs of linear `name` (its Hugging Face name): those of the
+    compressed-tensors group whose targets match it first by exact name, then by `re:` pattern, then by
+    class (any class target names a linear here); True for the block-wise `fp8` layout."""
+    groups = list((qconfig.get("config_groups") or {}).values())
+    if qconfig.get("quant_method") != "compressed-tensors" or not groups:
+        return True
+    targets = [(t, g) for g in groups for t in g.get("targets") or ()]
+    match = (next((g for t, g in targets if t == name), None)
+             or next((g for t, g in targets if t.startswith("re:") and re.fullmatch(t[3:], name)), None)
+             or next((g for t, g in targets if "." not in t and not t.startswith("re:")), None))
+    return match is None or match.get("input_activations") is not None
+
+
 # ---- writing: our fp8 state dict as compressed-tensors ----------------------------------------
 def checkpoint_dtype(folder: Path) -> torch.dtype:
     """The dtype a model folder's config declares (bf16 or fp16 stay so; anything else: fp32)."""
@@ -157,16 +177,28 @@ def checkpoint_dtype(folder: Path) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 
-def compressed_tensors_config(ignore: list[str]) -> dict:
-    """The `quantization_config` of per-channel fp8 weights with dynamic per-token activations."""
+def compressed_tensors_config(ignore: list[str], w8a8: list[str] | None = None,
+                              weight_only: list[str] | None = None) -> dict:
+    """The `quantization_config` of per-channel fp8 weights with dynamic per-token activations, except
+    for the linears named in `weight_only`. With some weight-only, both groups list their linears by
+    name (`w8a8` the others), since engines that fuse q/k/v match a fused layer's class before its
+    shards' names."""
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False,
                "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
                "observer_kwargs": {}}
     acts = {**weights, "strategy": "token", "dynamic": True, "observer": None}
+    if not weight_only:
+        groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}
+    elif not w8a8:
+        groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}
+    else:
+        groups = {"group_0": {"targets": sorted(w8a8), "weights": weights, "input_activations": acts},
+                  "group_1": {"targets": sorted(weight_only), "weights": weights, "input_activations": None}}
+    for group in groups.values():
+        group["output_activations"] = None
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
-                                          "output_activations": None}},
-            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+            "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {},
+            "global_compression_ratio": None}
 
 
 def to_compressed_tensors(state: dict[str, torch.Tensor], qconfig: dict, cfg: ModelConfig,
@@ -179,6 +211,7 @@ def to_compressed_tensors(state: dict[str, torch.Tensor], qconfig: dict, cfg: Mo
     for theirs, (ours, shard) in _FUSED.items():
         parts.setdefault(ours.rpartition(".")[0], {})[shard] = theirs.rpartition(".")[0]
     out: dict[str, torch.Tensor] = {}
+    acts: dict[bool, list[str]] = {True: [], False: []}  # W8A8 or not -> their Hugging Face names
     for name, value in state.items():
         module, _, leaf = name.rpartition(".")
         if module in qconfig["modules"] and leaf == "scales":
@@ -189,10 +222,14 @@ def to_compressed_tensors(state: dict[str, torch.Tensor], qconfig: dict, cfg: Mo
             value = value.to(dtype)
         fused = next((key for key in sizes if module.endswith(f".{key}")), None)
         if fused is None:
-            out["lm_head." + leaf if module == "lm_head" else f"model.{module}.{leaf}"] = value.contiguous()
-            continue
-        base, start = module[:-len(fused)], 0
-        for shard, size in enumerate(sizes[fused]):
-            out[f"model.{base}{parts[fused][shard]}.{leaf}"] = value[start:start + size].contiguous()
-            start += size
-    return out, compressed_tensors_config(["lm_head"])
+            theirs = ["lm_head" if module == "lm_head" else f"model.{module}"]
+            out[f"{theirs[0]}.{leaf}"] = value.contiguous()
+        else:
+            base, start = module[:-len(fused)], 0
+            theirs = [f"model.{base}{parts[fused][shard]}" for shard in range(len(sizes[fused]))]
+            for shard, size in enumerate(sizes[fused]):
+                out[f"{theirs[shard]}.{leaf}"] = value[start:start + size].contiguous()
+                start += size
+        if module in qconfig["modules"] and leaf == "weight":
+            acts[qconfig["modules"][module].get("act_fp8", True)].extend(theirs)
+    return out, compressed_tensors_config(["lm_head"], acts[True], acts[False])

@@ -33,6 +33,7 @@ from engine.quant.calibration import (
 from engine.quant.checkpoint import build_quantized_model, load_quantized
 from engine.quant.convert import QuantSpec, create_quantized_state_dict, group_for, weight_format
 from engine.quant.fp8 import Fp8Linear, fp8_as_int8, resolve_weight_format
+from engine.quant.fp8_activations import set_activations, weight_only_modules
 from engine.quant.hf_fp8 import is_external_fp8, load_external_fp8
 from engine.quant.modules import make_quantized_linear
 from engine.quant.search import quantize_weight
@@ -51,7 +52,7 @@ def quantize_pretrained(folder: Path, mc: ModelConfig, spec: QuantSpec, tokenize
     device = device or torch.device("cpu")
     backend = TorchAttentionBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim)
     model = load_model(folder, mc, backend, min(seq_len, mc.max_position_embeddings), torch.float32, device)
-    stats, record = None, None
+    stats, record, sequences = None, None, None
     if spec.calibrated:
         if tokenizer is None:
             raise ModelLoadError("calibration reads text, so the model folder needs a tokenizer")
@@ -62,8 +63,13 @@ def quantize_pretrained(folder: Path, mc: ModelConfig, spec: QuantSpec, tokenize
         stats = collect_statistics(model, sequences, progress=progress)
         record = {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                   "sequences": len(sequences), "tokens": sum(map(len, sequences))}
-    state, qconfig = create_quantized_state_dict(model, spec, stats, progress)
+    weight_only, choice = frozenset(), None
+    if spec.fp8:
+        weight_only, choice = weight_only_modules(model, spec.fp8_activations, sequences)
+    state, qconfig = create_quantized_state_dict(model, spec, stats, progress, weight_only)
     qconfig["calibration"] = record
+    if choice is not None:
+        qconfig["fp8_activations"] = choice
     return state, qconfig
 
 
@@ -82,6 +88,8 @@ def load_engine_model(config: EngineConfig, folder: Path, mc: ModelConfig, backe
         model = loader(folder, mc, backend, max_positions, dtype, device)
         if fp8 and resolve_weight_format(config.weight_format, device) == "int8":
             log.info("%s: %d fp8 linears requantized to int8 per channel for %s", folder, fp8_as_int8(model), device)
+        elif fp8:
+            set_activations(model, config.fp8_activations)  # auto: as the checkpoint chose
         return model
     if config.weight_bits == 16:
         return load_model(folder, mc, backend, max_positions, dtype, device)
@@ -96,14 +104,15 @@ def load_engine_model(config: EngineConfig, folder: Path, mc: ModelConfig, backe
 def weight_spec(config: EngineConfig, device: torch.device) -> QuantSpec:
     """What load-time quantization makes of weight_bits and weight_format on `device`."""
     fp8 = config.weight_bits == 8 and resolve_weight_format(config.weight_format, device) == "fp8"
-    return QuantSpec(config.weight_bits, config.weight_group_size, fp8=fp8)
+    return QuantSpec(config.weight_bits, config.weight_group_size, fp8=fp8, fp8_activations=config.fp8_activations)
 
 
 @torch.no_grad()
 def quantize_dummy_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> LlamaForCausalLM:
     """Random weights (load_format dummy) quantized in place, a layer at a time, by round-to-nearest:
     benchmarks of shapes we have no checkpoint for. The linears, and for int the LM head too, as
-    load-time quantization does; the embedding table stays as it is."""
+    load-time quantization does; the embedding table stays as it is. fp8_activations auto has no
+    calibration data here, so it is all."""
     spec = weight_spec(config, device)
     head = lm_head_name(model)
     for name, module in linear_modules(model).items():
@@ -112,7 +121,8 @@ def quantize_dummy_model(model: LlamaForCausalLM, config: EngineConfig, device: 
         q = quantize_weight(module.weight, spec.bits, group_for(spec, module.in_features), fp8=spec.fp8)
         has_bias = module.bias is not None
         with torch.device("meta"):  # every tensor is assigned below
-            new = (Fp8Linear(module.in_features, module.out_features, has_bias) if spec.fp8 else
+            new = (Fp8Linear(module.in_features, module.out_features, has_bias, spec.fp8_activations != "none")
+                   if spec.fp8 else
                    make_quantized_linear(module.in_features, module.out_features, has_bias, spec.bits, q.group_size))
         new.qweight, new.scales = q.qweight, q.scales
         if q.offsets is not None:

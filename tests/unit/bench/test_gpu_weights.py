@@ -56,8 +56,8 @@ def test_engine_rows_dry_run_every_format():
     for fmt in FORMATS:
         row = engine_rows("tiny", path, torch.device("cpu"), "float32", True, fmt, 32, 2, (2, 1), 20e9)
         assert row["format"] == fmt and [r["batch"] for r in row["runs"]] == [2, 1]
-        assert row["linear"] == {"bf16": "Linear", "fp8": "Fp8Linear", "int8": "Int8Linear",
-                                 "int4": "Int4Linear"}[fmt]
+        assert row["linear"] == {"bf16": "Linear", "int8": "Int8Linear", "int4": "Int4Linear"}.get(fmt, "Fp8Linear")
+        assert row["w8a8_share"] == {"bf16": None, "int8": None, "int4": None, "fp8-w8a16": 0.0}.get(fmt, 1.0)
         for r in row["runs"]:
             assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["kv_bytes"] > 0
             assert math.isclose(r["share_of_roofline"],

@@ -1,10 +1,9 @@
-"""SmolLM2 with fp8 weights, run through the CPU reference path (the GPU's W8A8 numerics: E4M3 weights per
-channel, activations rounded to E4M3 per token), against fp32 on held-out text.
+"""SmolLM2 with fp8 weights, run through the CPU reference path (the GPU's numerics: E4M3 weights per
+channel, activations rounded to E4M3 per token where a layer is W8A8), against fp32 on held-out text.
 
-NOTE: the issue's bound is +1%, which W8A8 misses on SmolLM2: +1.2% on the first 2048 tokens of GPL-3 in
-windows of 1024, +1.4% on 1024 tokens in windows of 512 (this test's text), more in shorter windows; fp8
-weights alone cost +0.01%, the per-token E4M3 activations of gate_up and qkv the rest (docs/perf/gpu.md,
-"Weight formats"). So this test holds the measured level, +2%, and fails if the fp8 path gets worse."""
+NOTE: the issue's bound is +1%. Every linear W8A8 misses it on SmolLM2 (+1.2% on the first 2048 tokens of
+GPL-3 in windows of 1024); the default, fp8_activations auto, keeps the attention projections' activations
+at full precision and is within it (docs/perf/gpu.md, "Weight formats"). This test holds auto to the bound."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from engine import LLM
 from engine.perplexity import perplexity
 from engine.quant.calibration import DEFAULT_CALIBRATION_FILE
 from engine.quant.fp8 import Fp8Linear
+from engine.quant.fp8_activations import w8a8_share
 
 pytestmark = pytest.mark.slow
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
@@ -32,5 +32,6 @@ def test_smollm2_fp8_perplexity_stays_within_the_measured_margin_of_fp32(tmp_pat
     fp8 = LLM(model="smollm2", dtype="float32", weight_bits=8, weight_format="fp8", calibration_file=str(calib),
               max_num_batched_tokens=1024)
     assert isinstance(fp8.engine.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert w8a8_share(fp8.engine.model) >= 0.7
     ours = perplexity(fp8, ids, CONTEXT, CONTEXT // 2).perplexity
-    assert base < ours <= 1.02 * base, (ours, base)
+    assert ours <= 1.01 * base, (ours, base)

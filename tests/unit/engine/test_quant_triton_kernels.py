@@ -125,3 +125,23 @@ def test_w8a16_gemm_also_reads_fp8_weights():
     got = w8a16_linear(x.to(DEVICE), q.qweight.to(DEVICE), q.scales.to(DEVICE))
     want = x.double() @ q.dequantize().double().T
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_weight_only_fp8_linear_runs_the_w8a16_kernel_on_its_codes(monkeypatch):
+    """Fp8Linear.act_fp8 False on CUDA: the weight-only GEMM on the E4M3 codes, activations unrounded
+    (here the interpreter runs it on the CPU)."""
+    from engine.quant import fp8, triton_kernels
+
+    calls = []
+    monkeypatch.setattr(fp8, "_use_triton", lambda x: True)
+    monkeypatch.setattr(triton_kernels, "w8a16_linear", lambda *a: calls.append(a) or w8a16_linear(*a))
+    gen = torch.Generator().manual_seed(8)
+    q = quantize_weight(torch.randn(48, 144, generator=gen) * 0.05, 8, None, fp8=True)
+    layer = fp8.Fp8Linear(144, 48, act_fp8=False).to(DEVICE)
+    layer.qweight, layer.scales = q.qweight.to(DEVICE), q.scales.to(DEVICE)
+    x = torch.randn(3, 144, generator=gen)
+    with torch.inference_mode():
+        got = layer(x.to(DEVICE))
+    assert len(calls) == 1 and calls[0][1] is layer.qweight
+    want = x.double() @ q.dequantize().double().T
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
