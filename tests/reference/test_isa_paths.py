@@ -48,7 +48,7 @@ def test_a_cap_above_the_host_or_an_unknown_name_is_refused(monkeypatch):
 @pytest.mark.skipif(cpu_build.host_isa() == "baseline", reason="this host has no AVX2")
 def test_the_avx2_path_passes_the_reference_checks():
     """tests/reference/test_engine_reference.py's HF comparisons (tiny models through every backend, SmolLM2's
-    greedy tokens), run in a process whose kernels are built for AVX2: the same kernels as AVX-512's, 8 lanes wide."""
+    greedy tokens on prepacked and compact panels), run in a process whose kernels are built for AVX2: the same kernels as AVX-512's, 8 lanes wide."""
     env = {**os.environ, cpu_build.ISA_ENV: "avx2", "PYTHONPATH": str(REPO)}
     probe = subprocess.run(
         [sys.executable, "-c", "from engine.kernels.cpu_build import cpu_kernels, target_isa; "
@@ -57,7 +57,9 @@ def test_the_avx2_path_passes_the_reference_checks():
     assert probe.stdout.split() == ["avx2", "True", "8"], probe.stderr[-3000:]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reference/test_engine_reference.py",
-         "-k", "logits_match_hf_through_the_scheduler or smollm2_greedy_tokens_equal_hf or compact_panels_give_bitwise"],
+         # SmolLM2's `plain` arm is left out: its linears are torch's, and the tiny models' checks cover the attention.
+         "-k", "logits_match_hf_through_the_scheduler or (smollm2_greedy_tokens_equal_hf and prepacked) "
+               "or compact_panels_give_bitwise"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
