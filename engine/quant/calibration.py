@@ -107,13 +107,18 @@ def calibration_sequences(tokenizer, path: str | Path | None = None, seq_len: in
                 chosen.append(p)
             seen += len(p)
         pieces = chosen
-    sequences, budget = [], max_tokens
-    for p in pieces:
+    return first_tokens(pieces, max_tokens)
+
+
+def first_tokens(sequences: list[list[int]], budget: int) -> list[list[int]]:
+    """The leading sequences, the last one cut, holding `budget` tokens in all (no piece under 2 tokens)."""
+    out = []
+    for seq in sequences:
         if budget < 2:
             break
-        sequences.append(p[:budget])
-        budget -= len(sequences[-1])
-    return sequences
+        out.append(seq[:budget])
+        budget -= len(out[-1])
+    return out
 
 
 def linear_modules(model: LlamaForCausalLM) -> dict[str, torch.nn.Module]:

@@ -24,7 +24,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.models.llama import LlamaForCausalLM
-from engine.quant.calibration import causal_prefill, linear_modules, lm_head_name
+from engine.quant.calibration import causal_prefill, first_tokens, linear_modules, lm_head_name
 
 POLICIES = ("auto", "all", "none")
 # Share of the fp8 linears' weight bytes that auto may keep weight-only.
@@ -101,7 +101,7 @@ def weight_only_modules(model: LlamaForCausalLM, policy: str,
         return frozenset(sizes), {"policy": policy}
     if policy == "all" or not sequences:
         return frozenset(), {"policy": policy}
-    costs = group_costs(model, _first_tokens(sequences, POLICY_TOKENS), sizes)
+    costs = group_costs(model, first_tokens(sequences, POLICY_TOKENS), sizes)
     group_bytes: dict[str, int] = {}
     for name, size in sizes.items():
         group_bytes[role(name)] = group_bytes.get(role(name), 0) + size
@@ -109,16 +109,6 @@ def weight_only_modules(model: LlamaForCausalLM, policy: str,
     record = {"policy": policy, "kl_by_group": {g: round(c, 6) for g, c in sorted(costs.items())},
               "weight_only_groups": sorted(groups), "budget": WEIGHT_ONLY_BUDGET}
     return frozenset(n for n in sizes if role(n) in groups), record
-
-
-def _first_tokens(sequences: list[list[int]], budget: int) -> list[list[int]]:
-    out = []
-    for seq in sequences:
-        if budget < 2:
-            break
-        out.append(seq[:budget])
-        budget -= len(out[-1])
-    return out
 
 
 def set_activations(model: torch.nn.Module, policy: str) -> int:

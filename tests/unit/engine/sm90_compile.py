@@ -52,3 +52,14 @@ def run_script(script: str) -> dict:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_no_spills(usage: dict, expected: int, may_spill=lambda name: False) -> None:
+    """Each compiled variant fits in 255 registers and, unless `may_spill(name)`, keeps no stack."""
+    assert len(usage) == expected, sorted(usage)
+    for name, r in usage.items():
+        print(name, r)
+    for name, r in usage.items():
+        assert 0 < r["registers"] <= 255, name
+        if not may_spill(name):
+            assert r["local"] == 0 and r["stack"] == 0, f"{name} spills: {r}"

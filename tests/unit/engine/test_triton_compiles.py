@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.engine.sm90_compile import run_script
+from tests.unit.engine.sm90_compile import assert_no_spills, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,4 @@ print(json.dumps(out))
 
 
 def test_bf16_attention_fused_ops_and_weight_gemms_compile_for_sm90():
-    usage = run_script(SCRIPT)
-    assert len(usage) == 20
-    for name, r in usage.items():
-        print(name, r)
-    for name, r in usage.items():
-        assert 0 < r["registers"] <= 255, name
-        assert r["local"] == 0 and r["stack"] == 0, f"{name} spills: {r}"
+    assert_no_spills(run_script(SCRIPT), 20)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.engine.sm90_compile import run_script
+from tests.unit.engine.sm90_compile import assert_no_spills, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +47,5 @@ print(json.dumps(out))
 
 
 def test_8bit_kv_kernels_compile_for_sm90_without_spills():
-    usage = run_script(SCRIPT)
-    assert len(usage) == 13
-    for name, r in usage.items():
-        print(name, r)
-    for name, r in usage.items():
-        assert 0 < r["registers"] <= 255, name
-        if "prefill" in name and "W=16" in name:
-            continue  # NOTE: the windowed prefill (a second score tile) still spills a little; it compiles
-        assert r["local"] == 0 and r["stack"] == 0, f"{name} spills: {r}"
+    # NOTE: the windowed prefill (a second score tile) still spills a little; it compiles.
+    assert_no_spills(run_script(SCRIPT), 13, may_spill=lambda name: "prefill" in name and "W=16" in name)
