@@ -126,6 +126,10 @@ def calibrate_at_start(config, layout, model, kv_caches, tokenizer, parallel=Non
     (on every tensor-parallel rank, each for its own KV heads, when `parallel` is the rank group)."""
     if layout.cache_bits != 8 or layout.cache_format != "fp8" or config.kv_scales == "unit":
         return
+    if tokenizer is None and config.load_format == "dummy":
+        # Random weights (benchmarks of a shape): no text to calibrate on, and their numbers mean nothing.
+        log.info("fp8 KV scales stay 1.0: random weights and no tokenizer to calibrate with")
+        return
     start = time.perf_counter()
     sequences = kv_calibration_sequences(tokenizer, config.calibration_file, layout.max_model_len)
     if parallel is not None:

@@ -130,7 +130,7 @@ def test_kv_scales_setting_is_validated(options, message):
     assert EngineConfig(cache_bits=8, cache_format="fp8", kv_scales="unit").kv_scales == "unit"
 
 
-def test_calibration_needs_a_tokenizer_unless_scales_are_unit(tiny_llama, tmp_path):
+def test_calibration_needs_a_tokenizer_unless_scales_are_unit_or_weights_random(tiny_llama, tmp_path):
     import shutil
 
     from engine.errors import ModelLoadError
@@ -141,6 +141,10 @@ def test_calibration_needs_a_tokenizer_unless_scales_are_unit(tiny_llama, tmp_pa
     with pytest.raises(ModelLoadError, match="kv_scales: unit"):
         LLM(model=str(bare), dtype="float32", num_kv_blocks=16, cache_bits=8, cache_format="fp8")
     LLM(model=str(bare), dtype="float32", num_kv_blocks=16, cache_bits=8, cache_format="fp8", kv_scales="unit")
+    # Random weights of a shape (benchmarks) have nothing to calibrate: their scales stay 1.0.
+    dummy = LLM(model=str(bare), dtype="float32", num_kv_blocks=16, cache_bits=8, cache_format="fp8",
+                load_format="dummy")
+    assert torch.all(scales(dummy) == 1.0)
 
 
 @pytest.mark.slow
