@@ -28,6 +28,9 @@ def ppl_command(
     cache_bits: int = typer.Option(16, "--cache-bits", help="KV cache precision: 16 (the model dtype) or 8 (int8)."),
     cache_format: str = typer.Option("auto", "--cache-format",
                                      help="With --cache-bits 8: int8, fp8, or auto (int8)."),
+    kv_scales: str = typer.Option("absmax", "--kv-scales",
+                                  help="With --cache-format fp8: the per-head scales, calibrated at start-up: absmax "
+                                       "(absmax / 448), mse (least round-trip error), or unit (1.0)."),
     kv_fp_window: int = typer.Option(0, "--kv-fp-window",
                                      help="With --cache-bits 8: recent rows per sequence kept at full precision."),
     calib: Path | None = typer.Option(None, "--calib", exists=True, dir_okay=False, readable=True,
@@ -57,7 +60,8 @@ def ppl_command(
     try:
         llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format,
                   fp8_activations=fp8_activations, cache_bits=cache_bits,
-                  cache_format=cache_format, kv_fp_window=kv_fp_window, calibration_file=str(calib) if calib else None,
+                  cache_format=cache_format, kv_scales=kv_scales, kv_fp_window=kv_fp_window,
+                  calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
         raise _fail(str(exc)) from None
@@ -75,6 +79,7 @@ def ppl_command(
                                "fp8_activations": fp8_activations, "w8a8_share": w8a8_share(llm.engine.model),
                                "cache_bits": cache_bits,
                                "cache_format": llm.engine.layout.cache_format if cache_bits == 8 else None,
+                               "kv_scales": kv_scales if llm.engine.layout.cache_format == "fp8" else None,
                                "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
                                "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
                                "windows": result.num_windows, "context": context, "stride": stride,

@@ -37,6 +37,7 @@ from engine.models.loader import dummy_model, safetensors_files
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.platform_tuning import tune_model
+from engine.quant.kv_scales import calibrate_at_start
 from engine.quant.loading import load_engine_model, quantize_dummy_model
 from engine.quant.modules import weight_bytes
 from engine.request import Request
@@ -92,6 +93,7 @@ class EngineCore:
             self.model, tuning = self._load_model(config, mc, max_positions)
             self.layout = plan_cache_layout(config, mc, self.device, self.dtype)
             self.kv_caches = allocate_kv_caches(self.layout, mc, huge_pages=config.huge_pages is True)
+        calibrate_at_start(config, self.layout, self.model, self.kv_caches, self.tokenizer, self.parallel)
         # NOTE: a vision tower runs on rank 0 only, so tensor parallelism refuses vision models at start-up.
         self.vision, self.image_processor = load_vision(self.model_path, mc, config, self.dtype, self.device)
         self.prepacked_bytes, self.prepack_s, self.decode_split = (tuning.prepacked_bytes, tuning.prepack_s,

@@ -133,12 +133,16 @@ class QuantizationSettings(Settings):
     weight_group_size: Annotated[int, msgspec.Meta(ge=32, multiple_of=32)] = 128
     cache_bits: Literal[16, 8] = 16
     # cache_bits 8: int8 codes with a scale per token and KV head, or fp8 (E4M3) codes with a scale per
-    # KV head (engine/attention/kv_int8.py). auto: int8 (uncalibrated fp8 loses more perplexity); fp8 needs
+    # KV head (engine/attention/kv_int8.py). auto: int8 (fp8 loses more perplexity); fp8 needs
     # CUDA compute capability 8.9+ on a GPU and runs the torch reference on the CPU.
     cache_format: Literal["auto", "fp8", "int8"] = "auto"
+    # fp8 KV cache: its static per-head scales, chosen once at start-up on the calibration text
+    # (engine/quant/kv_scales.py): absmax (each head's largest value maps to 448), mse (the least
+    # round-trip error per head; SmolLM2's perplexity prefers absmax: docs/perf/gpu.md) or unit (1.0).
+    kv_scales: Literal["absmax", "mse", "unit"] = "absmax"
     # cache_bits 8: each sequence's most recent rows kept at full precision as well (0: all int8).
     kv_fp_window: NonNegativeInt = 0
-    # Text or JSONL that load-time quantization calibrates on; None: engine/quant/calibration.txt.
+    # Text or JSONL that load-time quantization and fp8 KV scales calibrate on; None: engine/quant/calibration.txt.
     calibration_file: NonEmptyStr | None = None
 
     def __post_init__(self) -> None:
@@ -156,6 +160,9 @@ class QuantizationSettings(Settings):
                 "keeps recent rows of an int8 KV cache at full precision; it needs cache_bits: 8")
         require(self.cache_format == "auto" or self.cache_bits == 8, "cache_format",
                 f"{self.cache_format} is the format of an 8-bit KV cache; it needs cache_bits: 8")
+        require(self.kv_scales == "absmax" or (self.cache_bits == 8 and self.cache_format in ("fp8", "auto")),
+                "kv_scales", f"{self.kv_scales} sets the scales of an fp8 KV cache; it needs cache_bits: 8 and "
+                f"cache_format: fp8, got {self.cache_bits} and {self.cache_format}")
 
 
 class SpeculativeSettings(Settings):

@@ -14,7 +14,7 @@ attending to itself, sees the stored int8 values, which is what perplexity then 
 
 fp8 (cache_format: fp8): K and V as float8_e4m3fn with one fp32 scale per (K|V, kv head) [2, kv_heads]
 for the whole layer, a static scale rather than a dynamic one, so a stored code never changes meaning
-and prefix-cache blocks stay valid. The scales are 1.0 unless set (a calibration writes `scales`):
+and prefix-cache blocks stay valid. engine/quant/kv_scales.py sets `scales` once at start-up (kv_scales):
 E4M3 holds +-448 with 3 mantissa bits, and rows saturate at that bound. A row costs head_dim bytes.
 """
 
@@ -62,9 +62,9 @@ class Int8KVCache:
 
 
 def resolve_cache_format(requested: str, device: torch.device) -> str:
-    """cache_format for cache_bits 8 on `device`. auto is int8 everywhere: uncalibrated per-head fp8 loses
-    more perplexity than per-token int8 (docs/perf/gpu.md), so fp8 is opt-in until its scales are
-    calibrated. fp8 needs CUDA sm_89+ on a GPU; on the CPU it runs the torch reference."""
+    """cache_format for cache_bits 8 on `device`. auto is int8 everywhere: per-head fp8, even with calibrated
+    scales, loses more perplexity than per-token int8 (docs/perf/gpu.md), so fp8 is opt-in. fp8 needs CUDA
+    sm_89+ on a GPU; on the CPU it runs the torch reference."""
     cuda_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if requested == "auto":
         return "int8"

@@ -107,6 +107,16 @@ class TensorParallelGroup:
                 del waiting[conn]
 
     # ---- rank 0 at work ------------------------------------------------
+    def calibrate_kv(self, sequences: list[list[int]], method: str) -> None:
+        """Every rank calibrates the fp8 KV scales of its own KV heads on the same sequences, together (their
+        forward passes meet in the same collectives)."""
+        from engine.quant.kv_scales import calibrate_kv_scales
+
+        self.send(("calibrate_kv", sequences, method))
+        with torch.inference_mode():
+            calibrate_kv_scales(self.state.model, self.state.kv_caches, sequences, self.spec.config.block_size,
+                                method)
+
     def send(self, message: tuple) -> None:
         """Hand every other rank its next command (called by the model on rank 0: layers.Leader)."""
         self.check()

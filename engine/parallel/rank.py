@@ -186,6 +186,11 @@ def serve(spec: RankSpec, state: RankState, rank: int, conn) -> None:
                 _, rows, invariant = message
                 with batch_invariant(invariant):
                     model.compute_logits(torch.empty(rows, hidden, dtype=spec.dtype, device=device))
+            elif kind == "calibrate_kv":
+                from engine.quant.kv_scales import calibrate_kv_scales
+
+                _, sequences, method = message
+                calibrate_kv_scales(model, state.kv_caches, sequences, spec.config.block_size, method)
             elif kind == "stop":
                 return
             else:

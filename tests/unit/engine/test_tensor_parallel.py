@@ -116,6 +116,8 @@ VARIANTS = {
     "qwen3-qk-norm": ("qwen3", {}, {}),
     # The int8 KV cache: each rank quantizes its own heads' rows.
     "llama-int8-kv": ("llama", {}, dict(cache_bits=8)),
+    # The fp8 KV cache: each rank calibrates its own heads' scales, in one forward pass with the others.
+    "llama-fp8-kv": ("llama", {}, dict(cache_bits=8, cache_format="fp8")),
 }
 
 
