@@ -31,6 +31,9 @@ def ppl_command(
     kv_scales: str = typer.Option("absmax", "--kv-scales",
                                   help="With --cache-format fp8: the per-head scales, calibrated at start-up: absmax "
                                        "(absmax / 448), mse (least round-trip error), or unit (1.0)."),
+    kv_key_rotation: str = typer.Option("auto", "--kv-key-rotation",
+                                        help="With --cache-bits 8: hadamard (q and k rotated after RoPE, so the cache "
+                                             "stores rotated keys), none, or auto (hadamard for fp8)."),
     kv_fp_window: int = typer.Option(0, "--kv-fp-window",
                                      help="With --cache-bits 8: recent rows per sequence kept at full precision."),
     calib: Path | None = typer.Option(None, "--calib", exists=True, dir_okay=False, readable=True,
@@ -60,7 +63,8 @@ def ppl_command(
     try:
         llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format,
                   fp8_activations=fp8_activations, cache_bits=cache_bits,
-                  cache_format=cache_format, kv_scales=kv_scales, kv_fp_window=kv_fp_window,
+                  cache_format=cache_format, kv_scales=kv_scales, kv_key_rotation=kv_key_rotation,
+                  kv_fp_window=kv_fp_window,
                   calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
@@ -80,6 +84,7 @@ def ppl_command(
                                "cache_bits": cache_bits,
                                "cache_format": llm.engine.layout.cache_format if cache_bits == 8 else None,
                                "kv_scales": kv_scales if llm.engine.layout.cache_format == "fp8" else None,
+                               "kv_key_rotation": _key_rotation(llm) if cache_bits == 8 else None,
                                "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
                                "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
                                "windows": result.num_windows, "context": context, "stride": stride,
@@ -93,3 +98,8 @@ def register(app: typer.Typer) -> None:
     group = typer.Typer(help="Measure model quality through the engine.", no_args_is_help=True)
     group.command("ppl")(ppl_command)
     app.add_typer(group, name="eval")
+
+
+def _key_rotation(llm) -> str:
+    """What the engine's 8-bit cache stores: hadamard-rotated keys or plain ones."""
+    return "none" if llm.engine.model.layers[0].self_attn.backend.key_rotation is None else "hadamard"

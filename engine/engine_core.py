@@ -149,7 +149,8 @@ class EngineCore:
         """The whole model in this process (tensor_parallel_size 1), fitted to the machine."""
         if config.cache_bits == 8:
             backend = select_int8_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
-                                          mc.head_dim, resolve_cache_format(config.cache_format, self.device))
+                                          mc.head_dim, resolve_cache_format(config.cache_format, self.device),
+                                          config.kv_key_rotation)
         else:
             backend = select_backend(config.attention_backend, self.device, mc.num_heads, mc.num_kv_heads,
                                      mc.head_dim, config.block_size)

@@ -140,6 +140,9 @@ class QuantizationSettings(Settings):
     # (engine/quant/kv_scales.py): absmax (each head's largest value maps to 448), mse (the least
     # round-trip error per head; SmolLM2's perplexity prefers absmax: docs/perf/gpu.md) or unit (1.0).
     kv_scales: Literal["absmax", "mse", "unit"] = "absmax"
+    # 8-bit KV cache: q and k rotated after RoPE by a Hadamard matrix, so the cache stores rotated keys
+    # (engine/attention/key_rotation.py); auto: for fp8 caches (power-of-two head_dim), not int8's.
+    kv_key_rotation: Literal["auto", "hadamard", "none"] = "auto"
     # cache_bits 8: each sequence's most recent rows kept at full precision as well (0: all int8).
     kv_fp_window: NonNegativeInt = 0
     # Text or JSONL that load-time quantization and fp8 KV scales calibrate on; None: engine/quant/calibration.txt.
@@ -163,6 +166,8 @@ class QuantizationSettings(Settings):
         require(self.kv_scales == "absmax" or (self.cache_bits == 8 and self.cache_format in ("fp8", "auto")),
                 "kv_scales", f"{self.kv_scales} sets the scales of an fp8 KV cache; it needs cache_bits: 8 and "
                 f"cache_format: fp8, got {self.cache_bits} and {self.cache_format}")
+        require(self.kv_key_rotation != "hadamard" or self.cache_bits == 8, "kv_key_rotation",
+                "hadamard rotates the keys an 8-bit KV cache stores; it needs cache_bits: 8")
 
 
 class SpeculativeSettings(Settings):

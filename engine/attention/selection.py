@@ -11,6 +11,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.int8_backend import CpuPagedInt8AttentionBackend, TorchInt8AttentionBackend
+from engine.attention.key_rotation import resolve_key_rotation
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,22 @@ def _triton_ok() -> bool:
 
 
 def select_int8_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                        cache_format: str = "int8") -> AttentionBackend:
+                        cache_format: str = "int8", key_rotation: str = "none") -> AttentionBackend:
     """The backend for cache_bits 8 (`cache_format` int8 or fp8, already resolved for the device).
 
     CUDA: the Triton kernels that read the codes in place (engine/attention/triton_kvq.py), unless
     `torch` asks for the reference. CPU: the C++ kernels for int8 when they build, else the torch
     reference (fp8 always: it dequantizes, so the engine's fp8 numerics run anywhere). `triton` on the
-    CPU runs the Triton kernels interpreted (TRITON_INTERPRET=1, tests).
+    CPU runs the Triton kernels interpreted (TRITON_INTERPRET=1, tests). `key_rotation` is the
+    kv_key_rotation setting; the backend carries the resolved matrix for the model to apply.
     """
+    backend = _int8_backend(name, device, num_heads, num_kv_heads, head_dim, cache_format)
+    backend.key_rotation = resolve_key_rotation(key_rotation, cache_format, head_dim, device)
+    return backend
+
+
+def _int8_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                  cache_format: str) -> AttentionBackend:
     if name == "triton" or (device.type == "cuda" and name != "torch" and _triton_ok()):
         if name not in ("auto", "triton"):
             log.warning("attention backend %r does not read an 8-bit KV cache; using the Triton kernels", name)

@@ -104,7 +104,8 @@ def _decoder_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
     first = model.layers[0]
     if (model.norm.weight.device.type != "cpu" or model.norm.weight.dtype != torch.float32
             or model.rope.cos.dtype != torch.float32 or cpu_kernels() is None
-            or type(first.self_attn.backend) not in (CpuPagedAttentionBackend, CpuPagedInt8AttentionBackend)):
+            or type(first.self_attn.backend) not in (CpuPagedAttentionBackend, CpuPagedInt8AttentionBackend)
+            or first.self_attn.backend.key_rotation is not None):  # decode_layers does not rotate q and k
         return None
     eps = model.norm.eps
     weights: list[torch.Tensor] = []

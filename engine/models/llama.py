@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.key_rotation import rotate
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 from engine.models.compact_weights import is_compact
@@ -95,6 +96,8 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             rope.apply_(positions, q, k)  # in place: q and k are views of this layer's qkv output
+        if self.backend.key_rotation is not None:  # never with fused_rope_kv (enable_triton_fusions)
+            q, k = rotate(q, self.backend.key_rotation), rotate(k, self.backend.key_rotation)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         del q, k, v  # the qkv output is not needed past attention: free it before o_proj allocates
         return self.o_proj(out)
@@ -232,6 +235,7 @@ class LlamaForCausalLM(nn.Module):
         self.triton_fusions = True
         backend = self.layers[0].self_attn.backend
         rope_ok = (self.rope.cos.shape[-1] == self.config.head_dim and backend.accepts_prewritten_kv
+                   and backend.key_rotation is None
                    and all(layer.self_attn.q_norm is None and layer.self_attn.backend is backend
                            for layer in self.layers))
         for layer in self.layers:

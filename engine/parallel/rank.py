@@ -84,7 +84,8 @@ def load_rank(spec: RankSpec, rank: int) -> RankState:
     local = plan.local_config(mc)
     if config.cache_bits == 8:
         backend = select_int8_backend(config.attention_backend, device, local.num_heads, local.num_kv_heads,
-                                      local.head_dim, resolve_cache_format(config.cache_format, device))
+                                      local.head_dim, resolve_cache_format(config.cache_format, device),
+                                      config.kv_key_rotation)
     else:
         backend = select_backend(config.attention_backend, device, local.num_heads, local.num_kv_heads,
                                  local.head_dim, config.block_size)

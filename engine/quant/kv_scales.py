@@ -60,10 +60,11 @@ def mse_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RecordingBackend(TorchAttentionBackend):
-    """Full-precision attention that keeps the K (rotated) and V rows the cache would store."""
+    """Full-precision attention that keeps the K (after RoPE and any key rotation) and V rows the cache would store."""
 
     def __init__(self, like) -> None:
         super().__init__(like.num_heads, like.num_kv_heads, like.head_dim)
+        self.key_rotation = like.key_rotation  # the model rotates q and k by the backend's matrix
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
