@@ -150,18 +150,18 @@ def test_calibration_needs_a_tokenizer_unless_scales_are_unit_or_weights_random(
 @pytest.mark.slow
 def test_smollm2_fp8_kv_perplexity_with_calibrated_scales_and_rotated_keys():
     """Rotated keys take fp8 KV from +1.57% over an fp32 cache to +0.47% on the first 4096 tokens of GPL-3
-    (docs/perf/gpu.md). The bound held here is +0.75%: fp8 rounding moves this measure by about 0.2% with the
-    fp32 operation order (a host's BLAS), so +0.5% would be a coin toss on other hosts."""
+    (docs/perf/gpu.md); on the 2048 here, from +1.04% to +0.19%. fp8 rounding moves this measure by about
+    0.2% with the fp32 operation order (a host's BLAS): the bounds leave that much room."""
     from pathlib import Path
 
     from engine.perplexity import perplexity
 
     def ppl(**options) -> float:
         llm = LLM(model="smollm2", dtype="float32", max_model_len=1025, max_num_batched_tokens=2048, **options)
-        ids = llm.tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text())[:4096]
+        ids = llm.tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text())[:2048]
         return perplexity(llm, ids, 1024, 512).perplexity
 
     base = ppl()
     unrotated = ppl(cache_bits=8, cache_format="fp8", kv_key_rotation="none")
     default = ppl(cache_bits=8, cache_format="fp8")
-    assert default <= 1.0075 * base and unrotated > 1.01 * base, (base, unrotated, default)
+    assert default <= 1.005 * base and unrotated > 1.0075 * base, (base, unrotated, default)
