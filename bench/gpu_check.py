@@ -137,6 +137,19 @@ def _gather(kv, table):
     return gather_kv(kv, table.view(1, -1))
 
 
+def random_decode_batch(batch: int, heads: int, kv_heads: int, head_dim: int, length: int, bs: int,
+                        device: torch.device, dtype: torch.dtype, gen: torch.Generator):
+    """(q, a [2, blocks, bs, kv_heads, head_dim] pool, shuffled block tables, seq lens): `batch` decodes of
+    `length` tokens over random K/V, one spare block in the pool."""
+    blocks = -(-length // bs)
+    nb = batch * blocks + 1
+    kv = torch.randn(2, nb, bs, kv_heads, head_dim, generator=gen).to(device, dtype)
+    tables = torch.randperm(nb - 1, generator=gen)[:batch * blocks].view(batch, blocks).to(device)
+    lens = torch.full((batch,), length, dtype=torch.long, device=device)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
+    return q, kv, tables, lens
+
+
 def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict:
     """The paged decode kernel's launch settings (blocks per iteration, warps, pipeline stages, split)
     timed on the decode shapes of the speed suites, each checked against the default launch."""
@@ -154,12 +167,7 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
                ("smollm2 b=64", 64, 9, 3, 64, 4160)])
     results = {}
     for label, b, h, kvh, d, length in shapes:
-        blocks = -(-length // bs)
-        nb = b * blocks + 1
-        kv = torch.randn(2, nb, bs, kvh, d, generator=gen).to(device, dtype)
-        tables = torch.randperm(nb - 1, generator=gen)[:b * blocks].view(b, blocks).to(device)
-        lens = torch.full((b,), length, dtype=torch.long, device=device)
-        q = torch.randn(b, h, d, generator=gen).to(device, dtype)
+        q, kv, tables, lens = random_decode_batch(b, h, kvh, d, length, bs, device, dtype, gen)
         scale = d**-0.5
         want = paged_decode(q, kv, tables, lens, scale).float()
         kv_bytes = 2 * b * length * kvh * d * kv.element_size()

@@ -130,6 +130,7 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
     """The paged decode kernels alone on the 8B shape's attention (32 heads, 8 KV heads of 128): bf16
     (triton_kernels.paged_decode) against int8 and fp8 (triton_kvq.paged_decode_quant), each checked
     against bf16, timed on CUDA, with GB/s and the roofline share on the bytes each one reads."""
+    from bench.gpu_check import random_decode_batch
     from engine.attention.kv_int8 import Int8KVCache, write_int8
     from engine.attention.triton_kernels import paged_decode
     from engine.attention.triton_kvq import paged_decode_quant
@@ -140,12 +141,8 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows = []
     for batch, context in shapes:
-        blocks = -(-context // bs)
-        nb = batch * blocks + 1
-        kv = torch.randn(2, nb, bs, kvh, d, generator=gen).to(device, dtype)
-        tables = torch.randperm(nb - 1, generator=gen)[:batch * blocks].view(batch, blocks).to(device)
-        lens = torch.full((batch,), context, dtype=torch.long, device=device)
-        q = torch.randn(batch, h, d, generator=gen).to(device, dtype)
+        q, kv, tables, lens = random_decode_batch(batch, h, kvh, d, context, bs, device, dtype, gen)
+        nb = kv.shape[1]
         want = paged_decode(q, kv, tables, lens, d**-0.5).float()
         slots = torch.arange(nb * bs, device=device)
         launches = {"bf16": (lambda kv=kv, q=q, tables=tables, lens=lens: paged_decode(q, kv, tables, lens, d**-0.5),

@@ -40,6 +40,17 @@ from engine.transfer import to_device
 
 
 @triton.jit
+def _head_scales(sc_ptr, s_sckv, kh, PER_ROW: tl.constexpr):
+    """fp8's static scales of K and V for KV head kh; 1.0 for int8, whose scales come with each row."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if not PER_ROW:
+        k_scale = tl.load(sc_ptr + kh)
+        v_scale = tl.load(sc_ptr + s_sckv + kh)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _load_codes(val_ptr, sc_ptr, block, offs_t, offs_d, tmask, dmask, kh, k_scale, v_scale,
                 s_kv, s_blk, s_tok, s_head, s_sckv, s_scblk, s_sctok, cdt: tl.constexpr,
                 BS: tl.constexpr, PAGES: tl.constexpr, PER_ROW: tl.constexpr):
@@ -87,11 +98,7 @@ def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
     cdt = q_ptr.dtype.element_ty
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    k_scale = 1.0
-    v_scale = 1.0
-    if not PER_ROW:
-        k_scale = tl.load(sc_ptr + kh)
-        v_scale = tl.load(sc_ptr + s_sckv + kh)
+    k_scale, v_scale = _head_scales(sc_ptr, s_sckv, kh, PER_ROW)
     slot = 0
     lo = seq_len
     if W > 0:
@@ -214,11 +221,7 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
     hi = tl.where((policy == 1) | (policy == 2), tl.maximum(hi, end), hi)
     hi = tl.minimum(hi, kv_len)
     num_blocks = tl.cdiv(hi, BS)
-    k_scale = 1.0
-    v_scale = 1.0
-    if not PER_ROW:
-        k_scale = tl.load(sc_ptr + kh)
-        v_scale = tl.load(sc_ptr + s_sckv + kh)
+    k_scale, v_scale = _head_scales(sc_ptr, s_sckv, kh, PER_ROW)
     slot = 0
     ring_start = kv_len
     if W > 0:
