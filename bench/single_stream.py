@@ -38,7 +38,7 @@ from bench import llamacpp_peer, roofline
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import TEXT, decode_weight_bytes, progress_bar
 from engine import LLM, SamplingParams
-from engine.kernels.cpu_build import cpu_kernels
+from engine.kernels.cpu_build import bf16_matmul_isa, cpu_kernels
 from engine.model_registry import gguf_file
 
 ARMS = {"4 KiB pages (huge_pages false)": False, "weights in huge pages (huge_pages auto, the default)": "auto"}
@@ -162,12 +162,20 @@ def main() -> None:
 
 
 def peer_section(args, data: dict, text_ids: list[int]) -> None:
-    """The engine (default weights of the GGUF model) and llama.cpp on the same file and threads: one table."""
+    """The engine (default weights of the GGUF model; also with bf16 prefill where the CPU multiplies bf16) and
+    llama.cpp on the same file and threads: one table."""
     prefill_prompt, decode_prompt = text_ids[2000:2400], text_ids[1000:1128]
-    llm = LLM(model="smollm2", dtype="float32", num_threads=args.threads, max_num_seqs=4,
-              kv_cache_memory_bytes=64 << 20)
-    engine = llamacpp_peer.engine_rates(llm, prefill_prompt, decode_prompt, args.tokens, args.rounds)
-    peer: dict = {"gguf": str(gguf_file("smollm2")), "engine": engine}
+    arms = {"engine (default weights: compact panels)": {}}
+    if bf16_matmul_isa() is not None:
+        arms[f"engine, cpu_prefill_dtype bfloat16 ({bf16_matmul_isa()})"] = {"cpu_prefill_dtype": "bfloat16"}
+    engines = {}
+    for arm, options in arms.items():
+        llm = LLM(model="smollm2", dtype="float32", num_threads=args.threads, max_num_seqs=4,
+                  kv_cache_memory_bytes=64 << 20, **options)
+        engines[arm] = llamacpp_peer.engine_rates(llm, prefill_prompt, decode_prompt, args.tokens, args.rounds)
+        del llm
+    engine = next(iter(engines.values()))
+    peer: dict = {"gguf": str(gguf_file("smollm2")), "engine": engine, "engines": engines}
     try:
         peer["llamacpp"] = llamacpp_peer.llamacpp_rates(gguf_file("smollm2"), args.threads, prefill_prompt,
                                                         decode_prompt, args.tokens, args.rounds)
@@ -175,29 +183,34 @@ def peer_section(args, data: dict, text_ids: list[int]) -> None:
         peer["llamacpp"] = {"missing": str(missing)}
     data["peer"] = peer
     write_json(f"single_stream{data['suffix']}.json", data)
-    rows = [("engine (default weights: compact panels)", f"{engine['decode_tok_s']:.1f}",
-             f"{engine['prefill_tok_s']:.0f}", "1.00x", "1.00x")]
     lc = peer["llamacpp"]
+    rows = []
+    for arm, rates in engines.items():
+        over = ("-", "-") if "missing" in lc else (f"{rates['decode_tok_s'] / lc['decode_tok_s']:.2f}x",
+                                                  f"{rates['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x")
+        rows.append((arm, f"{rates['decode_tok_s']:.1f}", f"{rates['prefill_tok_s']:.0f}", *over))
+    if "bfloat16" not in " ".join(engines):
+        rows.append(("engine, cpu_prefill_dtype bfloat16: NOT RUN", "-", "-", "-",
+                     "this CPU (or the INFINILM_CPU_ISA cap) has no AVX512-BF16 or AMX"))
     if "missing" in lc:
         print(lc["missing"])
         rows.append(("llama.cpp: NOT RUN", "-", "-", "-", f"missing .venv-llamacpp: run {llamacpp_peer.ENV_SCRIPT}"))
     else:
-        same = lc["tokens"][:len(engine["tokens"])] == engine["tokens"][:len(lc["tokens"])]
+        peer["same_greedy_tokens"] = {arm: lc["tokens"][:len(r["tokens"])] == r["tokens"][:len(lc["tokens"])]
+                                      for arm, r in engines.items()}
         simd = llamacpp_peer.simd_path(lc.get("system_info", ""))
         rows.append((f"llama.cpp {lc['version']} (llama-cpp-python, built from source, {simd} build)",
-                     f"{lc['decode_tok_s']:.1f}",
-                     f"{lc['prefill_tok_s']:.0f}", f"{engine['decode_tok_s'] / lc['decode_tok_s']:.2f}x",
-                     f"{engine['prefill_tok_s'] / lc['prefill_tok_s']:.2f}x"))
-        peer["same_greedy_tokens"] = same
+                     f"{lc['decode_tok_s']:.1f}", f"{lc['prefill_tok_s']:.0f}", "1.00x", "1.00x"))
     write_json(f"single_stream{data['suffix']}.json", data)  # again, with the token comparison
     publish_table(
         f"single_stream_llamacpp{data['suffix']}", f"Single stream against llama.cpp (SmolLM2-135M Q4_1 GGUF, CPU, {data['isa']} kernels)", data,
         f"the same GGUF file ({Path(peer['gguf']).name}) and {args.threads} threads; decode: {args.tokens} greedy "
         "tokens after a 128-token prompt, from the second token on; prefill: a 400-token prompt alone. The engine "
-        f"with its defaults for the file (compact panels), llama.cpp in its own environment; {args.rounds} rounds "
-        "each, medians. The engine-over-peer columns are the engine's rate over each row's.",
-        "Medians over rounds", ["runtime", "decode tok/s", "prefill tok/s", "engine / row, decode",
-                                "engine / row, prefill"], rows, docs=PERF / "cpu-engine.md")
+        "with its defaults for the file (compact panels), and with `cpu_prefill_dtype: bfloat16` where the CPU "
+        f"multiplies bf16; llama.cpp in its own environment; {args.rounds} rounds each, medians. The last two "
+        "columns are each row's rate over llama.cpp's.",
+        "Medians over rounds", ["runtime", "decode tok/s", "prefill tok/s", "over llama.cpp, decode",
+                                "over llama.cpp, prefill"], rows, docs=PERF / "cpu-engine.md")
 
 
 if __name__ == "__main__":

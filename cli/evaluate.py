@@ -42,6 +42,9 @@ def ppl_command(
     stride: int = typer.Option(512, "--stride", help="Tokens between window starts (<= --context)."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", help="Score only the first N tokens of the text."),
     dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto (fp32 on CPU)."),
+    cpu_prefill_dtype: str = typer.Option("float32", "--cpu-prefill-dtype",
+                                          help="CPU, fp32 models: bfloat16 runs the prompt steps' linears in bf16 "
+                                               "(hosts with AVX512-BF16 or AMX), float32 keeps them exact."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Perplexity of a text under the engine, with a sliding window (every token after the first is
@@ -64,7 +67,7 @@ def ppl_command(
         llm = LLM(model, dtype=dtype, weight_bits=quant, weight_format=weight_format,
                   fp8_activations=fp8_activations, cache_bits=cache_bits,
                   cache_format=cache_format, kv_scales=kv_scales, kv_key_rotation=kv_key_rotation,
-                  kv_fp_window=kv_fp_window,
+                  kv_fp_window=kv_fp_window, cpu_prefill_dtype=cpu_prefill_dtype,
                   calibration_file=str(calib) if calib else None,
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
@@ -85,7 +88,8 @@ def ppl_command(
                                "cache_format": llm.engine.layout.cache_format if cache_bits == 8 else None,
                                "kv_scales": kv_scales if llm.engine.layout.cache_format == "fp8" else None,
                                "kv_key_rotation": _key_rotation(llm) if cache_bits == 8 else None,
-                               "kv_fp_window": kv_fp_window, "perplexity": result.perplexity,
+                               "kv_fp_window": kv_fp_window, "cpu_prefill_dtype": cpu_prefill_dtype,
+                               "perplexity": result.perplexity,
                                "mean_nll": result.mean_nll, "tokens_scored": result.num_scored,
                                "windows": result.num_windows, "context": context, "stride": stride,
                                "seconds": round(seconds, 2)}))

@@ -1,9 +1,10 @@
 """Fit a loaded model to the machine it runs on, once, at engine start (`tune_model`).
 
 In order: packed weight copies for the CPU's linear kernels, the one-call decoder where those copies allow
-it (engine/models/fused_decode.py), the decode-streamed weights moved into huge pages, the decoder's row
-split measured for this machine, the Triton fusions on CUDA, and the shared MLP activation workspace.
-None of it changes a result: each step computes the same bits with or without it.
+it (engine/models/fused_decode.py), the decode-streamed weights moved into huge pages, bf16 weight copies
+for prefill steps where asked for, the decoder's row split measured for this machine, the Triton fusions on
+CUDA, and the shared MLP activation workspace. None of it changes a result (each step computes the same bits
+with or without it) but the bf16 copies: prefill steps' products then round as bf16 does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from torch import nn
 from engine import hugepages
 from engine.config import EngineConfig
 from engine.models import decode_split, fused_decode
+from engine.errors import ModelLoadError
+from engine.kernels.cpu_build import bf16_matmul_isa, host_isa
 from engine.models.linear import (
     Linear,
+    add_bf16_copies,
     free_plain_weight,
     is_panel_packed,
     packed_bytes,
@@ -66,6 +70,9 @@ def tune_model(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
                      moved / 2**20, time.perf_counter() - start, huge / 2**20,
                      "" if huge >= moved else f" (the host took over {budget} s to find them; the rest "
                      "keep 4 KiB pages)")
+    if config.cpu_prefill_dtype == "bfloat16":
+        added = add_bf16_prefill_copies(model, device, dtype)
+        log.info("bf16 copies of the linear weights for prefill steps: %.0f MiB", added / 2**20)
     fused = model.fused_decoder
     if isinstance(config.cpu_decode_split_rows, int):
         if fused is not None:
@@ -99,6 +106,20 @@ def prepack_weights(model: LlamaForCausalLM, compact: bool = True, free_plain: b
         if free_plain and free_plain_weight(model.embed_tokens, packed):
             return_freed_memory()
     return added
+
+
+def add_bf16_prefill_copies(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
+    """cpu_prefill_dtype bfloat16: a bf16 copy of each linear weight (linear.add_bf16_copies); bytes added.
+    A start-up error where the products would not run in bf16 hardware, or there is nothing to lower."""
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ModelLoadError(f"execution.cpu_prefill_dtype: bfloat16 lowers the prefill of fp32 models on the CPU; "
+                             f"this engine runs {str(dtype).removeprefix('torch.')} on {device.type} (set float32)")
+    if bf16_matmul_isa() is None:
+        raise ModelLoadError(
+            "execution.cpu_prefill_dtype: bfloat16 needs a CPU with bf16 instructions (AVX512-BF16 or AMX"
+            f"{', and INFINILM_CPU_ISA not below avx512' if host_isa() == 'avx512' else ''}); on this one bf16 "
+            "products run slower than fp32: set float32")
+    return add_bf16_copies(model)
 
 
 def move_decode_weights_to_huge_pages(model: LlamaForCausalLM,

@@ -61,6 +61,11 @@ class ExecutionSettings(Settings):
     # rows, each thread then streaming the whole weight for its rows (engine/models/decode_split.py).
     # "auto": measured at engine start, about 0.2 s (docs/perf/config-notes.md); an integer fixes it.
     cpu_decode_split_rows: PositiveInt | Literal["auto"] = "auto"
+    # CPU, fp32 models: the dtype the linears of steps that carry prompt tokens multiply in. bfloat16 keeps a
+    # bf16 copy of each linear weight (half its fp32 bytes) and runs those products through oneDNN at about
+    # twice the fp32 rate, within bf16 rounding of the fp32 results; it needs bf16 instructions (AVX512-BF16
+    # or AMX). Decode-only steps, the LM head and deterministic requests keep fp32 (engine/models/linear.py).
+    cpu_prefill_dtype: Literal["float32", "bfloat16"] = "float32"
     # CUDA only: decode steps replayed from CUDA graphs captured per batch-size bucket.
     cuda_graphs: bool = True
     # Pipelined scheduling: build and queue step N+1 while the device runs step N, and read step N's

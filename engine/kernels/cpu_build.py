@@ -70,6 +70,15 @@ def host_isa() -> str:
     return "baseline"
 
 
+def bf16_matmul_isa() -> str | None:
+    """The instructions oneDNN multiplies bf16 with on this CPU (AMX or AVX512-BF16), or None: none, or the
+    INFINILM_CPU_ISA cap is below AVX-512 (that run stands for a host without them)."""
+    cpu = _cpu_flags()
+    if target_isa() != "avx512":
+        return None
+    return next((name for name in ("amx_bf16", "avx512_bf16") if f" {name}" in cpu), None)
+
+
 def target_isa() -> str:
     """The instruction set the kernels are built for: the host's best, or less where INFINILM_CPU_ISA says so.
     Raises ValueError for an unknown name or one this CPU lacks."""

@@ -32,6 +32,11 @@ of the bytes, the same values and results bit for bit (bench/compact_weights.py)
 The engine's default, `cpu_prepack_weights: auto`, keeps only such compact
 copies (`prepack(..., only_compact=True)`), never a second fp32 copy.
 
+With `cpu_prefill_dtype: bfloat16` each weight also has a bf16 copy, and in
+steps that carry prompt tokens (`prefill_step`) linears of 64 rows or more
+multiply it by the rows rounded to bf16, through oneDNN's bf16 matmul with fp32
+accumulation: about twice the fp32 GEMM rate on hosts with AVX512-BF16 or AMX.
+
 Batch-invariant mode (deterministic requests) routes every linear to a kernel
 whose per-row arithmetic does not depend on the number of rows, at a
 throughput cost measured in docs/BENCHMARKS.md.
@@ -60,6 +65,8 @@ PANEL_MAX_ROWS = 256
 # The row count oneDNN chooses the packed layout for (any row count can use it).
 PACK_HINT_ROWS = 64
 _mode = threading.local()
+# bf16 prefill (cpu_prefill_dtype): from this many rows; below it the fp32 kernels are as fast.
+BF16_MIN_ROWS = 64
 
 
 @contextlib.contextmanager
@@ -75,6 +82,17 @@ def batch_invariant(enabled: bool = True):
 
 def invariant_enabled() -> bool:
     return getattr(_mode, "invariant", False)
+
+
+@contextlib.contextmanager
+def prefill_step(enabled: bool = True):
+    """Within this block (on this thread), linears with a bf16 copy run their taller products in bf16."""
+    previous = getattr(_mode, "prefill", False)
+    _mode.prefill = enabled
+    try:
+        yield
+    finally:
+        _mode.prefill = previous
 
 
 @cache
@@ -128,13 +146,19 @@ def prepack(weight: torch.Tensor, compact: bool = True, only_compact: bool = Fal
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+           bf16: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by the fastest path for x's rows; with `out`, written there (a workspace).
 
     `packed` is `prepack(weight)`, read by the panel kernel or the oneDNN path instead of `weight`; a freed
     `weight` (on the meta device, free_plain_weight) is rebuilt from it where another path needs it.
+    `bf16` is the weight in bf16 (add_bf16_copies), read instead in prefill steps (`prefill_step`).
     """
     rows = x.shape[0]
+    if (bf16 is not None and rows >= BF16_MIN_ROWS and getattr(_mode, "prefill", False) and x.dim() == 2
+            and x.dtype == torch.float32 and not invariant_enabled() and not torch.is_grad_enabled()):
+        result = _bf16_product(x, bf16, bias)
+        return result if out is None else out.copy_(result)
     # A freed weight (free_plain_weight): the panel kernel reads its codes, every other path a rebuild.
     if weight.is_meta and not (rows <= PANEL_MAX_ROWS and x.dim() == 2 and x.device.type == "cpu"
                                and x.dtype == torch.float32 and not torch.is_grad_enabled()
@@ -172,6 +196,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
+def _bf16_product(x: torch.Tensor, bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ bf16.T in fp32: oneDNN accumulates in fp32 and rounds the product to bf16 once; the bias is added
+    in fp32."""
+    result = F.linear(x.to(torch.bfloat16), bf16).float()
+    return result if bias is None else result.add_(bias)
+
+
 def plain_weight(weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """`weight` as fp32 values: itself, or, where it was freed, rebuilt from its compact panels (the same bits)."""
     if not weight.is_meta:
@@ -193,15 +224,16 @@ def free_plain_weight(module: nn.Module, packed: torch.Tensor) -> int:
 
 
 class Linear(nn.Linear):
-    # Set by prepack_linears; deliberately not a parameter or buffer, so state dicts stay plain.
+    # Set by prepack_linears and add_bf16_copies; deliberately not parameters or buffers, so state dicts stay plain.
     packed: torch.Tensor | None = None
+    bf16: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # as Embedding.reset_parameters (engine/models/llama.py)
             super().reset_parameters()
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, out, self.packed)
+        return linear(x, self.weight, self.bias, out, self.packed, self.bf16)
 
 
 def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = False,
@@ -220,6 +252,18 @@ def prepack_linears(model: nn.Module, compact: bool = True, free_plain: bool = F
                 freed |= free_plain_weight(module, packed) > 0
     if freed:
         return_freed_memory()
+    return added
+
+
+def add_bf16_copies(model: nn.Module) -> int:
+    """Give every fp32 CPU `Linear` in `model` a bf16 copy of its weight (a freed one rebuilt from its compact
+    panels first), for the bf16 prefill path of `linear`; returns the bytes added."""
+    added = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.float32 and module.weight.device.type in (
+                "cpu", "meta"):
+            module.bf16 = plain_weight(module.weight, module.packed).to(torch.bfloat16)
+            added += module.bf16.numel() * module.bf16.element_size()
     return added
 
 

@@ -18,7 +18,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_build import cpu_kernels, fused_cpu_ok
 from engine.models.compact_weights import is_compact
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear, linear
+from engine.models.linear import Linear, linear, prefill_step
 from engine.models.rope import RotaryEmbedding
 
 
@@ -219,8 +219,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids) if embeds is None else embeds
         if self.triton_fusions:
             return self._triton_layers(x, positions, kv_caches, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+        # A step with prompt tokens lets linears with a bf16 copy (cpu_prefill_dtype) run in bf16.
+        with prefill_step(bool(meta.prefills)):
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
 
     # The GPU path (enable_triton_fusions): each residual add is fused into the next RMSNorm.
