@@ -18,9 +18,9 @@ from torch import nn
 
 from engine import hugepages
 from engine.config import EngineConfig
-from engine.models import decode_split, fused_decode
 from engine.errors import ModelLoadError
 from engine.kernels.cpu_build import bf16_matmul_isa, host_isa
+from engine.models import decode_split, fused_decode
 from engine.models.linear import (
     Linear,
     add_bf16_copies,

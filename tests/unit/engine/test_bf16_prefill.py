@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine import platform_tuning
+from engine import LLM, SamplingParams, platform_tuning
 from engine.errors import ModelLoadError
 from engine.kernels import cpu_build
 from engine.models import linear as lin
