@@ -70,29 +70,28 @@ BF16_MIN_ROWS = 64
 
 
 @contextlib.contextmanager
-def batch_invariant(enabled: bool = True):
-    """Within this block (on this thread), linears compute each row independently of the others."""
-    previous = getattr(_mode, "invariant", False)
-    _mode.invariant = enabled
+def _mode_flag(name: str, enabled: bool):
+    """Set one of this thread's linear modes within the block, then restore it."""
+    previous = getattr(_mode, name, False)
+    setattr(_mode, name, enabled)
     try:
         yield
     finally:
-        _mode.invariant = previous
+        setattr(_mode, name, previous)
+
+
+def batch_invariant(enabled: bool = True):
+    """Within this block (on this thread), linears compute each row independently of the others."""
+    return _mode_flag("invariant", enabled)
 
 
 def invariant_enabled() -> bool:
     return getattr(_mode, "invariant", False)
 
 
-@contextlib.contextmanager
 def prefill_step(enabled: bool = True):
     """Within this block (on this thread), linears with a bf16 copy run their taller products in bf16."""
-    previous = getattr(_mode, "prefill", False)
-    _mode.prefill = enabled
-    try:
-        yield
-    finally:
-        _mode.prefill = previous
+    return _mode_flag("prefill", enabled)
 
 
 @cache
