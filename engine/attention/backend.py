@@ -22,7 +22,8 @@ class AttentionBackend(ABC):
     # sets kv_prewritten on the backend it shares with every layer.
     accepts_prewritten_kv: bool = False
     kv_prewritten: bool = False
-    # 8-bit caches: the [D, D] rotation the model applies to q and k after RoPE (engine/attention/key_rotation.py).
+    # 8-bit caches: the [D, D] rotation the model applies to q and k after RoPE (engine/attention/key_rotation.py),
+    # in the fused RoPE + K/V-write launch where the model uses it.
     key_rotation: torch.Tensor | None = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:

@@ -88,14 +88,41 @@ def _e4m3_codes(x, scale, out_dtype: tl.constexpr):
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, sc_ptr, s_row, s_cos, s_kv, s_slot,
-                    s_sckv, s_scslot,
+def _rotate_heads(row_ptr, rot_ptr, offs_h, hmask, out_dtype: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr,
+                  HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """x @ R as two halves [NH_PAD, HALF_PAD] of each head row x [D] at row_ptr (heads offs_h where hmask),
+    for the [D, D] fp32 R at rot_ptr: summed in fp32 ("ieee", no tf32) and rounded once to out_dtype.
+    x is read back from memory 16 channels at a time, since whole-row register tiles times R's blocks
+    spill for the 8B shape (40 heads of 128) on sm_90. The caller has stored x and stores the result
+    over it: the barriers order both against these loads across the CTA's threads."""
+    tl.debug_barrier()
+    offs_k = tl.arange(0, 16)
+    offs_n = tl.arange(0, HALF_PAD)
+    nmask = offs_n < HALF
+    z1 = tl.zeros((NH_PAD, HALF_PAD), dtype=tl.float32)
+    z2 = tl.zeros((NH_PAD, HALF_PAD), dtype=tl.float32)
+    for k0 in range(0, D, 16):
+        kmask = k0 + offs_k < D
+        a = tl.load(row_ptr + offs_h[:, None] * D + k0 + offs_k[None, :], mask=hmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        r = rot_ptr + (k0 + offs_k[:, None]) * D + offs_n[None, :]
+        rm = kmask[:, None] & nmask[None, :]
+        z1 = tl.dot(a, tl.load(r, mask=rm, other=0.0), z1, input_precision="ieee")
+        z2 = tl.dot(a, tl.load(r + HALF, mask=rm, other=0.0), z2, input_precision="ieee")
+    tl.debug_barrier()
+    return z1.to(out_dtype), z2.to(out_dtype)
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, sc_ptr, rot_ptr, s_row, s_cos, s_kv,
+                    s_slot, s_sckv, s_scslot,
                     NQ: tl.constexpr, NKV: tl.constexpr, NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                    WRITE: tl.constexpr, QUANT: tl.constexpr):
-    """One token: rotate its q and k heads in place (rotate-half layout), then store k and v at its slot:
-    as they are (QUANT 0), as int8 codes with a new fp16 scale per (token, head) (1), or as fp8 codes of
-    x / the layer's per-head scale (2)."""
+                    WRITE: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr):
+    """One token: rotate its q and k heads in place (rotate-half layout), with ROTATE each head row then
+    multiplied by the [D, D] fp32 matrix at rot_ptr, then store k and v at its slot: as they are (QUANT 0),
+    as int8 codes with a new fp16 scale per (token, head) (1), or as fp8 codes of x / the layer's per-head
+    scale (2)."""
     row = tl.program_id(0)
     pos = tl.load(pos_ptr + row)
     offs_h = tl.arange(0, NH_PAD)  # the q heads, then the k heads: contiguous in the qkv row
@@ -111,6 +138,11 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, sc_ptr
     y2 = (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty)
     tl.store(lo, y1, mask=m)
     tl.store(lo + HALF, y2, mask=m)
+    if ROTATE:  # the rows just stored, times R, replace them: the cache gets rotated k
+        y1, y2 = _rotate_heads(qkv_ptr + row * s_row, rot_ptr, offs_h, offs_h < NQ + NKV, qkv_ptr.dtype.element_ty,
+                               NH_PAD, D, HALF, HALF_PAD)
+        tl.store(lo, y1, mask=m)
+        tl.store(lo + HALF, y2, mask=m)
     if WRITE:
         slot = tl.load(slot_ptr + row)
         is_k = (offs_h >= NQ) & (offs_h < NQ + NKV)
@@ -150,19 +182,26 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr, sc_ptr
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   num_heads: int, num_kv_heads: int, head_dim: int, kv_cache=None,
-                  slot_mapping: torch.Tensor | None = None) -> None:
+                  slot_mapping: torch.Tensor | None = None, rotation: torch.Tensor | None = None) -> None:
     """RoPE on the q and k parts of a fused qkv projection output [T, (H + 2 KVH) * D], in place, and,
     given a paged cache [2, num_blocks, block_size, KVH, D], the rotated k and the v of each token stored
     at its slot: one launch where torch takes about sixteen (RotaryEmbedding.apply_torch_, write_kv).
     Given an engine.attention.kv_int8.Int8KVCache, the stored rows are quantized in the same launch,
     to the codes and scales its torch write makes from the rotated rows (the ring is the backend's).
 
-    cos/sin are the [max_positions, D] tables with both halves equal; the rotation runs in fp32 and
-    rounds once (the torch path rounds after each product in half precision).
+    cos/sin are the [max_positions, D] tables with both halves equal; RoPE runs in fp32 and
+    rounds once (the torch path rounds after each product in half precision). `rotation`, a [D, D] fp32
+    matrix (the backend's key_rotation, D a power of two), then multiplies every q and k head row, as
+    engine.attention.key_rotation.rotate does after RoPE: q and k in qkv, and the stored k, are rotated.
     """
     rows = qkv.shape[0]
     if qkv.stride(-1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"rope_write_kv needs a row-major fused qkv output, got {tuple(qkv.shape)}")
+    rotate = rotation is not None
+    if rotate and (rotation.shape != (head_dim, head_dim) or rotation.dtype != torch.float32
+                   or not rotation.is_contiguous() or head_dim & (head_dim - 1)):
+        raise ValueError(f"rope_write_kv needs a contiguous fp32 [{head_dim}, {head_dim}] rotation and a power-of-two "
+                         f"head_dim, got {tuple(rotation.shape)} {rotation.dtype}")
     if rows == 0:
         return
     write = kv_cache is not None
@@ -179,11 +218,12 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         if (kvh, hd) != (num_kv_heads, head_dim) or flat != (1, hd, kvh * hd, block_size * kvh * hd):
             raise ValueError(f"rope_write_kv needs a contiguous paged cache, got {tuple(kv_cache.shape)}")
     half = head_dim // 2
+    min_pad = 16 if rotate else 1  # tl.dot's smallest tile (_rotate_heads), for the rotated variant only
     _rope_kv_kernel[(rows,)](
         qkv, positions, cos, sin, kv_cache if write else qkv, slot_mapping if write else positions, scales,
-        qkv.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0, num_kv_heads * head_dim if write else 0,
-        s_sckv, s_scslot,
-        NQ=num_heads, NKV=num_kv_heads, NH_PAD=triton.next_power_of_2(num_heads + num_kv_heads),
+        rotation if rotate else cos, qkv.stride(0), cos.stride(0), kv_cache.stride(0) if write else 0,
+        num_kv_heads * head_dim if write else 0, s_sckv, s_scslot,
+        NQ=num_heads, NKV=num_kv_heads, NH_PAD=max(min_pad, triton.next_power_of_2(num_heads + num_kv_heads)),
         NKV_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE=write, QUANT=quant,
+        HALF=half, HALF_PAD=max(min_pad, triton.next_power_of_2(half)), WRITE=write, QUANT=quant, ROTATE=rotate,
     )

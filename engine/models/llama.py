@@ -82,11 +82,12 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.fused_rope_kv:  # RoPE in place and K/V into the cache, one launch; the backend skips its write
+        rotation = self.backend.key_rotation
+        if self.fused_rope_kv:  # RoPE, any key rotation and K/V into the cache, one launch; the backend skips its write
             from engine.models.fused_ops import rope_write_kv
 
             rope_write_kv(qkv, positions, rope.cos, rope.sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                          kv_cache, meta.slot_mapping)
+                          kv_cache, meta.slot_mapping, rotation)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         del qkv
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -96,8 +97,8 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             rope.apply_(positions, q, k)  # in place: q and k are views of this layer's qkv output
-        if self.backend.key_rotation is not None:  # never with fused_rope_kv (enable_triton_fusions)
-            q, k = rotate(q, self.backend.key_rotation), rotate(k, self.backend.key_rotation)
+        if rotation is not None and not self.fused_rope_kv:  # fused: the kernel has rotated q and k already
+            q, k = rotate(q, rotation), rotate(k, rotation)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         del q, k, v  # the qkv output is not needed past attention: free it before o_proj allocates
         return self.o_proj(out)
@@ -231,13 +232,13 @@ class LlamaForCausalLM(nn.Module):
     def enable_triton_fusions(self) -> None:
         """Run the decoder with the Triton kernels of engine.models.fused_ops: each layer's MLP output is
         added to the residual stream by the next norm's kernel (the final norm's too), and, where every
-        layer's attention allows it, RoPE and the K/V write are one launch. About ten launches per layer
-        instead of about thirty; on a GPU their fixed cost is what a small decode step mostly pays.
+        layer's attention allows it, RoPE, any key rotation and the K/V write are one launch. About ten
+        launches per layer instead of about thirty; on a GPU their fixed cost is what a small decode step
+        mostly pays.
         The engine turns this on for CUDA devices; under TRITON_INTERPRET=1 it runs on the CPU (tests)."""
         self.triton_fusions = True
         backend = self.layers[0].self_attn.backend
         rope_ok = (self.rope.cos.shape[-1] == self.config.head_dim and backend.accepts_prewritten_kv
-                   and backend.key_rotation is None
                    and all(layer.self_attn.q_norm is None and layer.self_attn.backend is backend
                            for layer in self.layers))
         for layer in self.layers:

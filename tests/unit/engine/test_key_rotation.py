@@ -1,5 +1,6 @@
 """Keys rotated by a Hadamard matrix after RoPE (kv_key_rotation): the attention they compute is the same,
-the fp8 cache stores them with less loss, and the fused paths that cannot rotate stand aside."""
+the fp8 cache stores them with less loss, the fused RoPE + K/V write rotates them itself, and the one-call
+CPU decoder, which cannot rotate, stands aside."""
 
 from __future__ import annotations
 
@@ -69,11 +70,13 @@ def test_an_fp8_cache_rotates_by_default_and_the_one_call_cpu_decoder_stands_asi
                                    atol=0.05, rtol=0)
 
 
-def test_the_fused_rope_and_kv_write_stays_off_when_keys_rotate(tiny_llama):
+def test_the_fused_rope_and_kv_write_stays_on_when_keys_rotate(tiny_llama):
+    """The RoPE + K/V-write kernel rotates q and k itself (rope_write_kv's rotation; tests/unit/engine/
+    test_triton_kvq.py runs it)."""
     llm = LLM(model=str(tiny_llama), dtype="float32", attention_backend="torch", num_kv_blocks=32)
     model = llm.engine.model
     backend = model.layers[0].self_attn.backend
     backend.accepts_prewritten_kv = True  # as the Triton backends do
     backend.key_rotation = hadamard(model.config.head_dim)
     model.enable_triton_fusions()
-    assert not any(layer.self_attn.fused_rope_kv for layer in model.layers) and not backend.kv_prewritten
+    assert all(layer.self_attn.fused_rope_kv for layer in model.layers) and backend.kv_prewritten

@@ -1,6 +1,7 @@
 """The Triton kernels over the 8-bit KV caches (engine/attention/triton_kvq.py) against the torch reference
 (engine/attention/int8_backend.py), both cache formats, with and without the full-precision window and
-under every mask policy; the fused RoPE + quantized K/V write; the engine on the Triton path.
+under every mask policy; the fused RoPE + quantized K/V write, with and without the key rotation; the
+engine on the Triton path.
 
 Without a GPU they run in Triton's interpreter (fp8 codes included: the interpreter converts E4M3 in
 software); with one, compiled, and the last test captures real CUDA graphs over an 8-bit cache.
@@ -176,6 +177,117 @@ def test_fused_rope_write_quantizes_as_the_torch_write_does(fmt):
     assert torch.equal(codes, expected.float()) and codes.abs().sum() > 0
 
 
+ROTATED_SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128), "tiny": (4, 2, 16)}  # q heads, kv heads, head_dim
+
+
+def rope_kv_case(fmt: str, nq: int, nkv: int, d: int, dtype: torch.dtype = torch.float32):
+    """A fused qkv output of 7 tokens (positions, slots) and a cache of `fmt` (QUANT 0, 1, 2) to write into."""
+    from engine.models.rope import RotaryEmbedding
+
+    skip_without_fp8(fmt)
+    torch.manual_seed(nq * d)
+    rope = RotaryEmbedding(d, 64, 10000.0, None, torch.float32, DEVICE)
+    qkv = (torch.randn(7, (nq + 2 * nkv) * d) * 4).to(dtype)
+    positions = torch.tensor([0, 3, 9, 10, 11, 30, 63])
+    slots = torch.tensor([17, 2, 40, 41, 42, 100, 5])
+    if fmt == "plain":
+        cache = torch.randn(2, 8, 16, nkv, d, dtype=dtype)
+    else:
+        cache = Int8KVCache.allocate(8, 16, nkv, d, 0, 1, dtype, DEVICE, fmt)
+        if fmt == "fp8":
+            cache.scales.uniform_(0.25, 2.0)  # per (K|V, head)
+    return rope, qkv, positions, slots, cache
+
+
+def write_cache(cache, k, v, slots) -> None:
+    """The backend's torch write of k and v at their slots."""
+    from engine.attention.torch_backend import write_kv
+
+    if isinstance(cache, torch.Tensor):
+        write_kv(cache, k, v, slots)
+    else:
+        write_int8(cache, k, v, slots)
+
+
+def copy_cache(cache):
+    return cache.clone() if isinstance(cache, torch.Tensor) else clone(cache)
+
+
+def split_qkv(qkv: torch.Tensor, nq: int, nkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(t.view(qkv.shape[0], -1, d) for t in qkv.split([nq * d, nkv * d, nkv * d], dim=-1))
+
+
+@pytest.mark.parametrize("shape", ["smollm2", "8b", "tiny"])
+@pytest.mark.parametrize("fmt", ["plain", *FORMATS])
+def test_fused_rope_write_with_a_key_rotation_matches_rope_then_rotate_then_the_write(fmt, shape):
+    """The kernel's rotated q and k (in place) are RoPE then rotate(), and the cache holds what the backend's
+    write stores for that k: the same codes and scales exactly, and, from the torch path's own rotated k,
+    the same rows within one rounding step (the two round fp32 sums of different order)."""
+    from engine.attention.key_rotation import hadamard, rotate
+    from engine.models.fused_ops import rope_write_kv
+
+    nq, nkv, d = ROTATED_SHAPES[shape]
+    rope, qkv, positions, slots, cache = rope_kv_case(fmt, nq, nkv, d)
+    rotation = hadamard(d).to(DEVICE)
+    want_qkv, want_cache, own_cache = qkv.clone(), copy_cache(cache), copy_cache(cache)
+    q, k, v = split_qkv(want_qkv, nq, nkv, d)
+    rope.apply_torch_(positions, q, k)
+    q, k = rotate(q, rotation), rotate(k, rotation)
+    write_cache(want_cache, k, v, slots)
+    rope_write_kv(qkv, positions, rope.cos, rope.sin, nq, nkv, d, cache, slots, rotation)
+    got_q, got_k, got_v = split_qkv(qkv, nq, nkv, d)
+    torch.testing.assert_close(got_q, q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_v, v)  # V is not rotated
+    write_cache(own_cache, got_k, got_v, slots)  # the backend's write of the kernel's rotated k
+    if fmt == "plain":
+        torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cache, own_cache)
+        return
+    assert torch.equal(cache.values.float(), own_cache.values.float()) and torch.equal(cache.scales, own_cache.scales)
+    codes, want = (c.values[0].view(-1, nkv, d)[slots].float() for c in (cache, want_cache))
+    if fmt == "int8":
+        torch.testing.assert_close(cache.scales, want_cache.scales, atol=0, rtol=1e-3)
+        assert (codes - want).abs().max() <= 1
+    else:  # one E4M3 step: 2**-3 of the value, 2**-9 among the subnormals
+        torch.testing.assert_close(codes, want, atol=2.0**-9, rtol=2.0**-3)
+    assert (codes != 0).float().mean() > 0.5  # the rows are really there
+
+
+@pytest.mark.parametrize("fmt", ["plain", "fp8"])
+def test_fused_rotation_in_bf16_rounds_once_from_the_rows_rope_rounded(fmt):
+    """In bf16 the rotated rows are rotate() of the kernel's own RoPE output (what the torch path rotates once
+    RoPE has rounded), within one bf16 rounding, and the cache holds the backend's write of them."""
+    from engine.attention.key_rotation import hadamard, rotate
+    from engine.models.fused_ops import rope_write_kv
+
+    nq, nkv, d = ROTATED_SHAPES["8b"]
+    rope, qkv, positions, slots, cache = rope_kv_case(fmt, nq, nkv, d, torch.bfloat16)
+    rotation = hadamard(d).to(DEVICE)
+    roped, own_cache = qkv.clone(), copy_cache(cache)
+    rope_write_kv(roped, positions, rope.cos, rope.sin, nq, nkv, d)
+    rope_write_kv(qkv, positions, rope.cos, rope.sin, nq, nkv, d, cache, slots, rotation)
+    q, k, v = split_qkv(roped, nq, nkv, d)
+    got_q, got_k, got_v = split_qkv(qkv, nq, nkv, d)
+    torch.testing.assert_close(got_q, rotate(q, rotation), atol=2.0**-7, rtol=2.0**-7)
+    torch.testing.assert_close(got_k, rotate(k, rotation), atol=2.0**-7, rtol=2.0**-7)
+    assert torch.equal(got_v, v)
+    write_cache(own_cache, got_k, got_v, slots)
+    if fmt == "plain":
+        assert torch.equal(cache, own_cache)
+    else:
+        assert torch.equal(cache.values.float(), own_cache.values.float())
+
+
+def test_fused_rope_refuses_a_rotation_it_cannot_apply():
+    from engine.models.fused_ops import rope_write_kv
+
+    rope, qkv, positions, _, _ = rope_kv_case("plain", 4, 2, 16)
+    for bad in (torch.eye(8), torch.eye(16, dtype=torch.float64), torch.eye(32)[::2, ::2]):
+        with pytest.raises(ValueError, match="rotation"):
+            rope_write_kv(qkv, positions, rope.cos, rope.sin, 4, 2, 16, rotation=bad)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_triton_8bit_path_generates_what_the_torch_reference_does(tiny_llama, fmt):
     skip_without_fp8(fmt)
@@ -193,6 +305,71 @@ def test_the_triton_8bit_path_generates_what_the_torch_reference_does(tiny_llama
         assert a.token_ids == b.token_ids
         for (lp_a, _), (lp_b, _) in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(lp_a - lp_b) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def smollm2_shaped(tmp_path_factory):
+    """A random tiny model with SmolLM2-135M's attention shape: 9 q heads, 3 kv heads, head_dim 64."""
+    from tests.conftest import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("smollm2-shaped"), "llama", hidden_size=576,
+                            num_attention_heads=9, num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "smollm2_shaped"])
+def test_the_fused_rotation_generates_what_rope_then_rotate_does_over_an_fp8_cache(model, request):
+    """With an fp8 cache's default key rotation, enable_triton_fusions keeps RoPE, the rotation and the K/V
+    write in one launch; the tokens and logprobs are those of the unfused path (RoPE, rotate(), the write)."""
+    skip_without_fp8("fp8")
+    path = request.getfixturevalue(model)
+    prompts = [[5, 6, 7, 8, 9] * 5, list(range(3, 60))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    outs, keys = {}, {}
+    for fused in (False, True):
+        llm = LLM(model=str(path), dtype="float32", attention_backend="triton", max_num_batched_tokens=32,
+                  num_kv_blocks=32, device=str(DEVICE), cuda_graphs=False, gpu_fused_kernels=fused, cache_bits=8,
+                  cache_format="fp8", kv_fp_window=4)
+        model_ = llm.engine.model
+        if fused and DEVICE.type == "cpu":  # the engine enables them on CUDA only
+            model_.enable_triton_fusions()
+        attn = model_.layers[0].self_attn
+        assert attn.backend.key_rotation is not None and attn.fused_rope_kv == fused == attn.backend.kv_prewritten
+        outs[fused] = llm.generate(prompts, params)
+        keys[fused] = torch.stack([c.values[0].float() for c in llm.engine.kv_caches])
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert a.token_ids == b.token_ids
+        for (lp_a, _), (lp_b, _) in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(lp_a - lp_b) < 1e-4
+    # The same rotated keys in the same slots: codes differ only where the two sums round apart.
+    stored = (keys[False] != 0).sum()
+    assert stored > 0 and (keys[True] != keys[False]).sum() <= 0.01 * stored
+
+
+def test_calibration_with_the_fused_rotation_on_records_the_rotated_keys(tiny_llama):
+    """collect_kv runs the unfused path (RoPE, rotate()) for the duration and puts the fused write back: with
+    fusions on it records what it does with them off, keys rotated (K R for the unrotated K)."""
+    from engine.attention.key_rotation import rotate
+    from engine.quant.kv_scales import collect_kv
+
+    skip_without_fp8("fp8")
+    llm = LLM(model=str(tiny_llama), dtype="float32", attention_backend="triton", num_kv_blocks=32,
+              device=str(DEVICE), cuda_graphs=False, gpu_fused_kernels=False, cache_bits=8, cache_format="fp8")
+    model = llm.engine.model
+    backend = model.layers[0].self_attn.backend
+    rotation = backend.key_rotation
+    seqs = [list(range(3, 40)), [5, 6, 7, 8, 9] * 4]
+    unfused = collect_kv(model, seqs, 16)
+    model.enable_triton_fusions()
+    fused = collect_kv(model, seqs, 16)
+    assert all(layer.self_attn.fused_rope_kv for layer in model.layers) and backend.kv_prewritten  # put back
+    backend.key_rotation = None
+    plain = collect_kv(model, seqs, 16)
+    backend.key_rotation = rotation
+    for (k, v), (k_f, v_f), (k_p, v_p) in zip(unfused, fused, plain, strict=True):
+        torch.testing.assert_close(k_f, k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_f, v, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k, rotate(k_p, rotation), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v_p, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: captures real CUDA graphs")
