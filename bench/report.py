@@ -22,10 +22,15 @@ _DOCS_INTRO = ("Generated sections: each sits between its own markers and is rew
                "not these sections. Raw numbers are in `bench/results/`.\n")
 
 
+# Environment variables that change what a benchmark runs; a run's command line names those it had.
+RUN_ENV = ("INFINILM_CPU_ISA", "LLAMACPP_VENV")
+
+
 def invocation(module: str) -> str:
     """The command line that reproduces this run, relative to the repository root."""
     python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable
-    return shlex.join([python, "-m", module, *sys.argv[1:]])
+    env = [f"{name}={shlex.quote(os.environ[name])}" for name in RUN_ENV if os.environ.get(name)]
+    return " ".join([*env, shlex.join([python, "-m", module, *sys.argv[1:]])])
 
 
 def run_info(module: str, threads: int) -> dict:

@@ -11,7 +11,17 @@ package (model preparation, the CLI's --help) do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# INFINILM_CPU_ISA (engine/kernels/cpu_build.py) caps the libraries' CPU kernels too, MKL's GEMMs and oneDNN's
+# matmuls, so that a capped run on an AVX-512 host does what a host without it does (oneDNN then has no bf16
+# instructions either). Both read these once, at their first product, which comes after this import; a value
+# the user set is kept.
+_LIBRARY_CAPS = {"avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                 "baseline": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
+for _name, _value in _LIBRARY_CAPS.get(os.environ.get("INFINILM_CPU_ISA", "").strip().lower(), {}).items():
+    os.environ.setdefault(_name, _value)
 
 _EXPORTS = {
     "LLM": "engine.llm",

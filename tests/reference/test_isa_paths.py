@@ -63,3 +63,19 @@ def test_the_avx2_path_passes_the_reference_checks():
         env=env, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.parametrize(("preset", "expected_mkl"), [(None, "AVX2"), ("AVX", "AVX")])
+def test_the_cap_reaches_the_libraries_kernels_too(preset, expected_mkl):
+    """Under INFINILM_CPU_ISA=avx2, importing the engine caps MKL and oneDNN at AVX2 (a value the user set wins):
+    oneDNN then reports no bf16 support, as on a host without AVX-512, so bf16 prefill is refused too."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
+    env.update({cpu_build.ISA_ENV: "avx2", "PYTHONPATH": str(REPO)})
+    if preset is not None:
+        env["MKL_ENABLE_INSTRUCTIONS"] = preset
+    probe = subprocess.run(
+        [sys.executable, "-c", "import os, engine, torch; from engine.kernels.cpu_build import bf16_matmul_isa; "
+                               "print(os.environ['MKL_ENABLE_INSTRUCTIONS'], os.environ['ONEDNN_MAX_CPU_ISA'], "
+                               "torch.ops.mkldnn._is_mkldnn_bf16_supported(), bf16_matmul_isa())"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.split() == [expected_mkl, "AVX2", "False", "None"], probe.stderr[-3000:]

@@ -35,3 +35,17 @@ def test_bad_counts_get_a_clear_error(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench", "--rounds", "0"])
     with pytest.raises(SystemExit, match="--rounds >= 1"):
         parse_args("doc", [1, 8], "page sizes")
+
+
+def test_a_runs_command_line_names_the_environment_that_changes_what_it_runs(monkeypatch):
+    from bench import report
+
+    monkeypatch.setattr(sys, "argv", ["single_stream.py", "--rounds", "3"])
+    monkeypatch.delenv("INFINILM_CPU_ISA", raising=False)
+    monkeypatch.delenv("LLAMACPP_VENV", raising=False)
+    assert report.invocation("bench.single_stream").endswith("-m bench.single_stream --rounds 3")
+    assert "INFINILM_CPU_ISA" not in report.invocation("bench.single_stream")
+    monkeypatch.setenv("INFINILM_CPU_ISA", "avx2")
+    monkeypatch.setenv("LLAMACPP_VENV", ".venv-llamacpp-avx2")
+    assert report.invocation("bench.single_stream").startswith(
+        "INFINILM_CPU_ISA=avx2 LLAMACPP_VENV=.venv-llamacpp-avx2 ")
