@@ -127,8 +127,29 @@ def check_kernels(device: torch.device, dtype: torch.dtype, quick: bool = False)
     gu = torch.randn(37, 2 * 1536, generator=gen).to(device, dtype)
     want = torch.nn.functional.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
     results["silu_mul"] = (silu_mul(gu).float() - want).abs().max().item()
+    results["rope + key rotation, fused"] = _fused_rotation_error(h, kvh, d, device, dtype, gen)
     return {"dtype": str(dtype).removeprefix("torch."), "tolerance": tol, "max_abs_error": results,
             "ok": all(v <= tol for v in results.values())}
+
+
+def _fused_rotation_error(h: int, kvh: int, d: int, device: torch.device, dtype: torch.dtype,
+                          gen: torch.Generator) -> float:
+    """The fused RoPE launch with the key rotation (its q/k rows read back after a CTA barrier) against the
+    launch without it followed by rotate(): the largest q/k difference over a step of 37 tokens."""
+    from engine.attention.key_rotation import hadamard, rotate
+    from engine.models.fused_ops import rope_write_kv
+    from engine.models.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(d, 4096, 500000.0, None, dtype, device)
+    qkv = torch.randn(37, (h + 2 * kvh) * d, generator=gen).to(device, dtype)
+    positions = torch.randint(0, 4096, (37,), generator=gen).to(device)
+    rotation = hadamard(d).to(device)
+    roped, fused = qkv.clone(), qkv.clone()
+    rope_write_kv(roped, positions, rope.cos, rope.sin, h, kvh, d)
+    rope_write_kv(fused, positions, rope.cos, rope.sin, h, kvh, d, rotation=rotation)
+    qk = (h + kvh) * d
+    want = rotate(roped[:, :qk].view(37, h + kvh, d), rotation).reshape(37, qk)
+    return (fused[:, :qk].float() - want.float()).abs().max().item()
 
 
 def _gather(kv, table):

@@ -307,21 +307,12 @@ def test_the_triton_8bit_path_generates_what_the_torch_reference_does(tiny_llama
             assert abs(lp_a - lp_b) < 1e-4
 
 
-@pytest.fixture(scope="module")
-def smollm2_shaped(tmp_path_factory):
-    """A random tiny model with SmolLM2-135M's attention shape: 9 q heads, 3 kv heads, head_dim 64."""
-    from tests.conftest import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("smollm2-shaped"), "llama", hidden_size=576,
-                            num_attention_heads=9, num_key_value_heads=3)
-
-
-@pytest.mark.parametrize("model", ["tiny_llama", "smollm2_shaped"])
-def test_the_fused_rotation_generates_what_rope_then_rotate_does_over_an_fp8_cache(model, request):
+def test_the_fused_rotation_generates_what_rope_then_rotate_does_over_an_fp8_cache(tiny_llama):
     """With an fp8 cache's default key rotation, enable_triton_fusions keeps RoPE, the rotation and the K/V
-    write in one launch; the tokens and logprobs are those of the unfused path (RoPE, rotate(), the write)."""
+    write in one launch; the tokens and logprobs are those of the unfused path (RoPE, rotate(), the write).
+    The kernel-level tests above cover SmolLM2's and the 8B model's head shapes."""
     skip_without_fp8("fp8")
-    path = request.getfixturevalue(model)
+    path = tiny_llama
     prompts = [[5, 6, 7, 8, 9] * 5, list(range(3, 60))]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     outs, keys = {}, {}
@@ -411,3 +402,15 @@ def test_fused_fp8_write_rounds_half_to_even_saturates_and_keeps_subnormals():
     got = cache.values[1, 0, :t, 0].reshape(-1).float()
     want = values.clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(got, want)  # as values: tiny negatives may store +0 where torch stores -0
+
+
+def test_gpu_checks_fused_rotation_probe_measures_the_rotation(monkeypatch):
+    """bench.gpu_check's kernel check of the fused rotation (compiled on a device, interpreted here): near zero for
+    the kernel as it is, and large for a launch that leaves the rotation out."""
+    from bench.gpu_check import _fused_rotation_error
+    from engine.models import fused_ops
+
+    assert _fused_rotation_error(4, 2, 16, DEVICE, torch.float32, torch.Generator().manual_seed(0)) < 1e-5
+    real = fused_ops.rope_write_kv
+    monkeypatch.setattr(fused_ops, "rope_write_kv", lambda *a, rotation=None, **kw: real(*a, **kw))
+    assert _fused_rotation_error(4, 2, 16, DEVICE, torch.float32, torch.Generator().manual_seed(0)) > 0.1
