@@ -69,9 +69,12 @@ def _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr):
+def _scaled_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
+                        HAS_BIAS: tl.constexpr, FP8_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """x [M, K] @ (w [N, K] codes * ws [N])^T. FP8_ROWS 0: weight-only (W8A16), x in its own dtype and the
+    int8 or E4M3 codes converted in registers; 1: W8A8, x E4M3 codes scaled by xs [M], fp8 tensor-core
+    products. Either way fp32 accumulation, then the scales."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,9 +88,14 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om
         kmask = kk < K
         a = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-        # int8 -> fp32 -> x's dtype: exact for |q| <= 127, and the path the interpreter converts right.
-        acc = tl.dot(a, w.to(tl.float32).to(a.dtype), acc, input_precision=PRECISION)
-    acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
+        if FP8_ROWS:
+            acc = tl.dot(a, w, acc)
+        else:
+            # int8 -> fp32 -> x's dtype: exact for |q| <= 127, and the path the interpreter converts right.
+            acc = tl.dot(a, w.to(tl.float32).to(a.dtype), acc, input_precision=PRECISION)
+    if FP8_ROWS:
+        acc = acc * tl.load(xs_ptr + rm, mask=mmask, other=0.0)[:, None]
+    acc = acc * tl.load(ws_ptr + rn, mask=nmask, other=0.0)[None, :]
     _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS)
 
 
@@ -115,10 +123,10 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m:
         bm, bn, bk, warps = _w8a16_blocks(m)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _w8a16_kernel[grid](x2, qweight, scales, bias if bias is not None else scales, out, m, n, k,
-                            x2.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+        _scaled_gemm_kernel[grid](x2, scales, qweight, scales, bias if bias is not None else scales, out, m, n, k,
+                                  x2.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                  FP8_ROWS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
     return out.view(*x.shape[:-1], n)
 
 
@@ -175,27 +183,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, o
     return out.view(*x.shape[:-1], n)
 
 
-@triton.jit
-def _w8a8_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    mmask = rm < M
-    nmask = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        kmask = kk < K
-        a = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)
-    acc = acc * tl.load(xs_ptr + rm, mask=mmask, other=0.0)[:, None] * tl.load(ws_ptr + rn, mask=nmask, other=0.0)[None, :]
-    _store_tile(acc, b_ptr, out_ptr, rm, rn, mmask, nmask, s_om, HAS_BIAS)
-
-
 def w8a8_fp8_linear(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(xq [M, K] E4M3 * x_scales [M, 1]) @ (qweight [N, K] E4M3 * scales [N])^T (+ bias): the product
@@ -207,7 +194,8 @@ def w8a8_fp8_linear(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Ten
     if m:
         bm, bn, bk, warps = _w8a16_blocks(m)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _w8a8_fp8_kernel[grid](xq, x_scales, qweight, scales, bias if bias is not None else scales, out, m, n, k,
-                               xq.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        _scaled_gemm_kernel[grid](xq, x_scales, qweight, scales, bias if bias is not None else scales, out, m, n, k,
+                                  xq.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                  FP8_ROWS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="tf32",
+                                  num_warps=warps)
     return out

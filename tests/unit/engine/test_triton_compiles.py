@@ -19,8 +19,7 @@ import json
 from engine.attention.triton_kernels import (PREFILL_KEYS, PREFILL_WARPS, _decode_kernel, _decode_reduce_kernel,
                                             _prefill_kernel)
 from engine.models.fused_ops import _add_rms_norm_kernel, _silu_mul_kernel
-from engine.quant.triton_kernels import (_quantize_rows_kernel, _w4a16_kernel, _w8a16_blocks, _w8a16_kernel,
-                                         _w8a8_fp8_kernel)
+from engine.quant.triton_kernels import _quantize_rows_kernel, _scaled_gemm_kernel, _w4a16_kernel, _w8a16_blocks
 from tests.unit.engine.sm90_compile import compile_sm90
 
 H, KVH, D, HIDDEN = 32, 8, 128, 4096  # Llama-3-8B
@@ -45,14 +44,15 @@ for rows in (16, 64, 128):
     tiles = {"BLOCK_M": bm, "BLOCK_N": bn}
     for fmt, codes in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
         out[f"w8a16 {fmt} m={rows}"] = compile_sm90(
-            _w8a16_kernel, {"w_ptr": codes, "s_ptr": "*fp32", "b_ptr": "*fp32"},
-            {"HAS_BIAS": False, "BLOCK_K": bk, "PRECISION": "tf32", **tiles}, warps=warps)
+            _scaled_gemm_kernel, {"w_ptr": codes, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*fp32"},
+            {"HAS_BIAS": False, "FP8_ROWS": False, "BLOCK_K": bk, "PRECISION": "tf32", **tiles}, warps=warps)
     out[f"w4a16 m={rows}"] = compile_sm90(
         _w4a16_kernel, {"w_ptr": "*u8", "s_ptr": "*fp16", "o_ptr": "*fp16", "b_ptr": "*fp16"},
         {"HAS_BIAS": False, "RUNS": 4, "PRECISION": "tf32", **tiles}, warps=warps)
     out[f"w8a8 fp8 m={rows}"] = compile_sm90(
-        _w8a8_fp8_kernel, {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-                           "b_ptr": "*fp32"}, {"HAS_BIAS": False, "BLOCK_K": bk, **tiles}, warps=warps)
+        _scaled_gemm_kernel, {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+                              "b_ptr": "*fp32"},
+        {"HAS_BIAS": False, "FP8_ROWS": True, "BLOCK_K": bk, "PRECISION": "tf32", **tiles}, warps=warps)
 print(json.dumps(out))
 """
 
