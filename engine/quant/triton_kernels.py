@@ -110,24 +110,29 @@ def _w8a16_blocks(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 32, 8
 
 
-def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (qweight [N, K] int8 * scales [N])^T (+ bias), in x's dtype, accumulated in fp32."""
-    k = x.shape[-1]
-    n = qweight.shape[0]
-    x2 = x.reshape(-1, k)
+def _gemm_launch(x: torch.Tensor, n: int):
+    """x as rows [M, K] with unit stride, the [M, N] output in x's dtype, and the grid and tiles for M rows
+    (_w8a16_blocks); grid None when there are no rows."""
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        bm, bn, bk, warps = _w8a16_blocks(m)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _scaled_gemm_kernel[grid](x2, scales, qweight, scales, bias if bias is not None else scales, out, m, n, k,
+    blocks = _w8a16_blocks(max(m, 1))
+    grid = (triton.cdiv(m, blocks[0]), triton.cdiv(n, blocks[1])) if m else None
+    return x2, torch.empty(m, n, dtype=x.dtype, device=x.device), grid, blocks
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] int8 * scales [N])^T (+ bias), in x's dtype, accumulated in fp32."""
+    x2, out, grid, (bm, bn, bk, warps) = _gemm_launch(x, qweight.shape[0])
+    if grid is not None:
+        _scaled_gemm_kernel[grid](x2, scales, qweight, scales, bias if bias is not None else scales, out,
+                                  *out.shape, x2.shape[1],
                                   x2.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                                   FP8_ROWS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 @triton.jit
@@ -166,21 +171,14 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, o
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T for int4 W in engine.quant.quantizers' packed layout (qweight [N, K/2] uint8, fp16
     scales and offsets [N, K/G]), dequantized in registers a run of 32 inputs at a time."""
-    k = x.shape[-1]
-    n = qweight.shape[0]
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        bm, bn, _, warps = _w8a16_blocks(m)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _w4a16_kernel[grid](x2, qweight, scales, offsets, bias if bias is not None else scales, out, m, n, k,
-                            k // scales.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+    x2, out, grid, (bm, bn, _, warps) = _gemm_launch(x, qweight.shape[0])
+    if grid is not None:
+        _w4a16_kernel[grid](x2, qweight, scales, offsets, bias if bias is not None else scales, out,
+                            *out.shape, x2.shape[1], x2.shape[1] // scales.shape[1], x2.stride(0), qweight.stride(0),
+                            scales.stride(0), out.stride(0),
                             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, RUNS=4,
                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 def w8a8_fp8_linear(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
