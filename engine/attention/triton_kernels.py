@@ -36,25 +36,10 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, s
     Without SPLIT the one split is the whole sequence and the output is written normalised; with it
     the unnormalised accumulator and its (max, sum) go to the partials for _decode_reduce_kernel.
     """
-    b = tl.program_id(0)
-    kh = tl.program_id(1)
-    split = tl.program_id(2)
-    nsplit = tl.num_programs(2)
-    seq_len = tl.load(lens_ptr + b)
-    num_blocks = tl.cdiv(seq_len, BS)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, num_blocks)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    offs_t = tl.arange(0, PAGES * BS)
-    gmask = offs_g < G
-    dmask = offs_d < D
-    heads = kh * G + offs_g
+    b, kh, split, nsplit, seq_len, first, last, offs_d, offs_t, gmask, dmask, heads, m, denom, acc = \
+        _decode_program(lens_ptr, blocks_per_split, G, G_PAD, D, D_PAD, BS, PAGES)
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(kv_ptr.dtype.element_ty)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    denom = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for j in range(first, last, PAGES):
         page = j + offs_t // BS
         tok = j * BS + offs_t
@@ -69,6 +54,30 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, s
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     _store_decode(acc, m, denom, part_ptr, ml_ptr, out_ptr, b, heads, split, nsplit, offs_d, gmask, dmask,
                   s_ob, s_oh, G, D_PAD, SPLIT)
+
+
+@triton.jit
+def _decode_program(lens_ptr, blocks_per_split, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                    D_PAD: tl.constexpr, BS: tl.constexpr, PAGES: tl.constexpr):
+    """A decode program's place (sequence b, KV head kh, split of nsplit), its block range [first, last),
+    the feature and key offsets, the group's query heads, their masks, and the empty online-softmax state."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    nsplit = tl.num_programs(2)
+    seq_len = tl.load(lens_ptr + b)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BS))
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_t = tl.arange(0, PAGES * BS)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    heads = kh * G + offs_g
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    return b, kh, split, nsplit, seq_len, first, last, offs_d, offs_t, gmask, dmask, heads, m, denom, acc
 
 
 @triton.jit
@@ -151,13 +160,56 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     `splits` (programs per sequence and KV head, at most) and `pages` (blocks per iteration) are for
     tests; None picks them from the shapes.
     """
-    b, h, d = q.shape
+    b = q.shape[0]
     _, _, bs, kvh, _ = kv_cache.shape
-    g = h // kvh
+    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, 64 // bs), splits, out)  # 64 keys an iteration
+    _decode_kernel[(b, kvh, launch.splits)](
+        q, kv_cache, block_tables, seq_lens, launch.out, launch.partials, launch.ml, scale, launch.per_split,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), launch.out.stride(0), launch.out.stride(1),
+        PRECISION=_precision(kv_cache), **launch.constants, **_launch_options(num_warps, num_stages),
+    )
+    return launch.finish()
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The shapes and buffers shared by the decode kernels' launches (bf16 and 8-bit caches)."""
+
+    splits: int  # programs per (sequence, KV head)
+    per_split: int  # blocks each of them reads, a multiple of pages
+    pages: int  # blocks per iteration
+    block_size: int
+    group: int  # query heads per KV head
+    head_dim: int
+    d_pad: int
+    out: torch.Tensor
+    partials: torch.Tensor  # [B * H * splits, D_PAD] unnormalised accumulators (out itself when unsplit)
+    ml: torch.Tensor  # [B * H * splits, 2] their (max, sum)
+
+    @property
+    def constants(self) -> dict[str, int | bool]:
+        """The decode kernels' shared constexprs."""
+        return dict(G=self.group, G_PAD=max(16, triton.next_power_of_2(self.group)), D=self.head_dim,
+                    D_PAD=self.d_pad, BS=self.block_size, PAGES=self.pages, SPLIT=self.splits > 1)
+
+    def finish(self) -> torch.Tensor:
+        """Merges the splits' partial softmaxes into out (nothing to do unsplit)."""
+        if self.splits > 1:
+            b, h, _ = self.out.shape
+            _decode_reduce_kernel[(b, h)](self.partials, self.ml, self.out, self.splits, self.out.stride(0),
+                                          self.out.stride(1), D=self.head_dim, D_PAD=self.d_pad,
+                                          S_PAD=max(2, triton.next_power_of_2(self.splits)))
+        return self.out
+
+
+def decode_launch(q: torch.Tensor, kv_heads: int, block_size: int, block_tables: torch.Tensor, pages: int,
+                  splits: int | None, out: torch.Tensor | None) -> DecodeLaunch:
+    """The split (decode_splits' unless a test names one), the checked output and the partials' buffers."""
+    b, h, d = q.shape
     max_blocks = block_tables.shape[1]
-    pages = pages or max(1, 64 // bs)  # 64 tokens per iteration
     if splits is None:
-        splits, per_split = decode_splits(b, kvh, max_blocks, pages, q.device)
+        splits, per_split = decode_splits(b, kv_heads, max_blocks, pages, q.device)
     else:
         per_split = triton.cdiv(triton.cdiv(max_blocks, splits), pages) * pages
         splits = triton.cdiv(max_blocks, per_split)
@@ -165,24 +217,18 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"paged_decode: out must be {tuple(q.shape)} with unit stride in D, got {tuple(out.shape)}")
+        raise ValueError(f"paged decode: out must be {tuple(q.shape)} with unit stride in D, got {tuple(out.shape)}")
     if splits > 1:
         partials = torch.empty(b * h * splits, d_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(b * h * splits, 2, dtype=torch.float32, device=q.device)
     else:
         partials = ml = out  # unused
-    _decode_kernel[(b, kvh, splits)](
-        q, kv_cache, block_tables, seq_lens, out, partials, ml, scale, per_split,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs, PAGES=pages, SPLIT=splits > 1,
-        PRECISION=_precision(kv_cache),
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
-    )
-    if splits > 1:
-        _decode_reduce_kernel[(b, h)](partials, ml, out, splits, out.stride(0), out.stride(1),
-                                      D=d, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(splits)))
-    return out
+    return DecodeLaunch(splits, per_split, pages, block_size, h // kv_heads, d, d_pad, out, partials, ml)
+
+
+def _launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    """Triton's launch defaults unless bench.gpu_check's sweep names them."""
+    return {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
 
 
 @triton.jit

@@ -29,11 +29,12 @@ from engine.attention.triton_kernels import (
     PREFILL_WARPS,
     PrefillLaunch,
     _allowed,
-    _decode_reduce_kernel,
+    _decode_program,
+    _launch_options,
     _precision,
     _softmax_step,
     _store_decode,
-    decode_splits,
+    decode_launch,
     prefill_launch,
 )
 from engine.transfer import to_device
@@ -81,20 +82,8 @@ def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
                     BS: tl.constexpr, PAGES: tl.constexpr, SPLIT: tl.constexpr, PER_ROW: tl.constexpr,
                     W: tl.constexpr, PRECISION: tl.constexpr):
     """One (sequence, KV head, split), as triton_kernels._decode_kernel, over 8-bit codes (+ the ring)."""
-    b = tl.program_id(0)
-    kh = tl.program_id(1)
-    split = tl.program_id(2)
-    nsplit = tl.num_programs(2)
-    seq_len = tl.load(lens_ptr + b)
-    num_blocks = tl.cdiv(seq_len, BS)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, num_blocks)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    offs_t = tl.arange(0, PAGES * BS)
-    gmask = offs_g < G
-    dmask = offs_d < D
-    heads = kh * G + offs_g
+    b, kh, split, nsplit, seq_len, first, last, offs_d, offs_t, gmask, dmask, heads, m, denom, acc = \
+        _decode_program(lens_ptr, blocks_per_split, G, G_PAD, D, D_PAD, BS, PAGES)
     cdt = q_ptr.dtype.element_ty
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
@@ -104,9 +93,6 @@ def _qdecode_kernel(q_ptr, val_ptr, sc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr,
     if W > 0:
         slot = tl.load(wslot_ptr + b)
         lo = tl.load(wlo_ptr + b)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    denom = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for j in range(first, last, PAGES):
         page = j + offs_t // BS
         tok = j * BS + offs_t
@@ -149,40 +135,23 @@ def paged_decode_quant(q: torch.Tensor, cache: Int8KVCache, block_tables: torch.
                        pages: int | None = None, out: torch.Tensor | None = None, num_warps: int | None = None,
                        num_stages: int | None = None) -> torch.Tensor:
     """triton_kernels.paged_decode over an 8-bit cache (and its ring, given the step's window metadata)."""
-    b, h, d = q.shape
     values = cache.values
+    b = q.shape[0]
     _, _, bs, kvh, _ = values.shape
-    max_blocks = block_tables.shape[1]
     # 64 keys an iteration, 32 with a window (its ring tiles would spill registers on sm_90).
-    pages = pages or max(1, (64 if win is None else 32) // bs)
-    if splits is None:
-        splits, per_split = decode_splits(b, kvh, max_blocks, pages, q.device)
-    else:
-        per_split = triton.cdiv(triton.cdiv(max_blocks, splits), pages) * pages
-        splits = triton.cdiv(max_blocks, per_split)
-    d_pad = max(16, triton.next_power_of_2(d))
-    out = torch.empty_like(q) if out is None else out
-    if splits > 1:
-        partials = torch.empty(b * h * splits, d_pad, dtype=torch.float32, device=q.device)
-        ml = torch.empty(b * h * splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        partials = ml = out  # unused
+    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, (64 if win is None else 32) // bs), splits, out)
     ring, rs, w = _ring_args(cache, win, q)
     wslot = win.decode_slots if win is not None else seq_lens
     wlo = win.decode_lo if win is not None else seq_lens
     s_sckv, s_scblk, s_sctok = _scale_strides(cache)
-    _qdecode_kernel[(b, kvh, splits)](
-        q, values, cache.scales, block_tables, seq_lens, out, partials, ml, ring, wslot, wlo, scale, per_split,
-        q.stride(0), q.stride(1), values.stride(0), values.stride(1), values.stride(2), values.stride(3),
-        s_sckv, s_scblk, s_sctok, block_tables.stride(0), out.stride(0), out.stride(1), *rs,
-        G=h // kvh, G_PAD=max(16, triton.next_power_of_2(h // kvh)), D=d, D_PAD=d_pad, BS=bs, PAGES=pages,
-        SPLIT=splits > 1, PER_ROW=not cache.is_fp8, W=w, PRECISION=_precision(q),
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
+    _qdecode_kernel[(b, kvh, launch.splits)](
+        q, values, cache.scales, block_tables, seq_lens, launch.out, launch.partials, launch.ml, ring, wslot, wlo,
+        scale, launch.per_split, q.stride(0), q.stride(1), values.stride(0), values.stride(1), values.stride(2),
+        values.stride(3), s_sckv, s_scblk, s_sctok, block_tables.stride(0), launch.out.stride(0),
+        launch.out.stride(1), *rs, PER_ROW=not cache.is_fp8, W=w, PRECISION=_precision(q), **launch.constants,
+        **_launch_options(num_warps, num_stages),
     )
-    if splits > 1:
-        _decode_reduce_kernel[(b, h)](partials, ml, out, splits, out.stride(0), out.stride(1),
-                                      D=d, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(splits)))
-    return out
+    return launch.finish()
 
 
 @triton.jit

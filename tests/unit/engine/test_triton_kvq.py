@@ -148,6 +148,12 @@ def test_quant_decode_splits_match_one_program(fmt, splits, window):
     ref = TorchInt8AttentionBackend(H, KVH, D)._decode(q, cache, meta)
     got = paged_decode_quant(q, cache, tables, lens, D**-0.5, win, splits=splits, pages=2)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    if splits == 3:  # into a given output: a strided view is written in place, a transposed one refused
+        out = torch.full((3, H + 1, D), float("nan"))[:, 1:]
+        assert paged_decode_quant(q, cache, tables, lens, D**-0.5, win, splits=splits, pages=2, out=out) is out
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="unit stride in D"):
+            paged_decode_quant(q, cache, tables, lens, D**-0.5, win, out=torch.empty(3, D, H).transpose(1, 2))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
