@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -86,19 +87,7 @@ def up(
         redis_port=redis_port, tls_port=tls_port, sasl_users_file=sasl_users_file,
         redis_password_file=redis_password_file,
     )
-    err = Console(stderr=True, log_path=False)
-    try:
-        with err.status("Starting the local stack") as spinner:
-
-            def progress(message: str) -> None:
-                err.log(message)
-                spinner.update(message)
-
-            result = stack_up(cfg, progress=progress)
-    except StackError as exc:
-        err.print(f"[bold red]stack up failed:[/] {exc}")
-        raise typer.Exit(1) from exc
-    _print_status(cfg, result)
+    _print_status(cfg, _with_progress("Starting the local stack", "stack up", stack_up, cfg))
 
 
 def down(state_dir: StateDirOption = None) -> None:
@@ -109,17 +98,25 @@ def down(state_dir: StateDirOption = None) -> None:
     Services this stack did not start (a system redis-server, say) are left running.
     """
     cfg = _config(state_dir)
+    _with_progress("Stopping the local stack", "stack down", stack_down, cfg)
+
+
+T = TypeVar("T")
+
+
+def _with_progress(title: str, command: str, action: Callable[..., T], cfg: StackConfig) -> T:
+    """Run action(cfg, progress=...) under a spinner that logs each step to stderr; a StackError exits 1."""
     err = Console(stderr=True, log_path=False)
     try:
-        with err.status("Stopping the local stack") as spinner:
+        with err.status(title) as spinner:
 
             def progress(message: str) -> None:
                 err.log(message)
                 spinner.update(message)
 
-            stack_down(cfg, progress=progress)
+            return action(cfg, progress=progress)
     except StackError as exc:
-        err.print(f"[bold red]stack down failed:[/] {exc}")
+        err.print(f"[bold red]{command} failed:[/] {exc}")
         raise typer.Exit(1) from exc
 
 
