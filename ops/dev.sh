@@ -96,12 +96,15 @@ cmd_test() {
   "$VENV/bin/pytest" --durations=15 -o cache_dir=.pytest_cache/service "${SERVICE_TIERS[@]}" \
     > "$state/service.log" 2>&1 &
   local service_pid=$!
+  # An interrupted run takes the background pytest (and the workers it started) down with it.
+  trap 'kill -- "$service_pid" 2>/dev/null; exit 130' INT TERM
   log "pytest ${ENGINE_TIERS[*]}"
   "$VENV/bin/pytest" --durations=15 "${ENGINE_TIERS[@]}"
   engine_rc=$?
   log "waiting for ${SERVICE_TIERS[*]}"
   wait "$service_pid"
   service_rc=$?
+  trap - INT TERM
   set -e
   log "pytest ${SERVICE_TIERS[*]} (rc $service_rc):"
   cat "$state/service.log"
