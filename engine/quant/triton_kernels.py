@@ -110,16 +110,16 @@ def _w8a16_blocks(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 32, 8
 
 
-def _gemm_launch(x: torch.Tensor, n: int):
-    """x as rows [M, K] with unit stride, the [M, N] output in x's dtype, and the grid and tiles for M rows
-    (_w8a16_blocks); grid None when there are no rows."""
+def _gemm_launch(x: torch.Tensor, n: int, out_dtype: torch.dtype | None = None):
+    """x as rows [M, K] with unit stride, the [M, N] output (in x's dtype unless out_dtype), and the grid and
+    tiles for M rows (_w8a16_blocks); grid None when there are no rows."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     blocks = _w8a16_blocks(max(m, 1))
     grid = (triton.cdiv(m, blocks[0]), triton.cdiv(n, blocks[1])) if m else None
-    return x2, torch.empty(m, n, dtype=x.dtype, device=x.device), grid, blocks
+    return x2, torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device), grid, blocks
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -186,14 +186,10 @@ def w8a8_fp8_linear(xq: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Ten
     """(xq [M, K] E4M3 * x_scales [M, 1]) @ (qweight [N, K] E4M3 * scales [N])^T (+ bias): the product
     torch._scaled_mm computes with row-wise scales, as a Triton GEMM (fp8 tensor-core products,
     fp32 accumulation) whose narrow tiles suit decode batches."""
-    m, k = xq.shape
-    n = qweight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m:
-        bm, bn, bk, warps = _w8a16_blocks(m)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _scaled_gemm_kernel[grid](xq, x_scales, qweight, scales, bias if bias is not None else scales, out, m, n, k,
-                                  xq.stride(0), qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                  FP8_ROWS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="tf32",
-                                  num_warps=warps)
+    x2, out, grid, (bm, bn, bk, warps) = _gemm_launch(xq, qweight.shape[0], out_dtype)
+    if grid is not None:
+        _scaled_gemm_kernel[grid](x2, x_scales, qweight, scales, bias if bias is not None else scales, out,
+                                  *out.shape, x2.shape[1], x2.stride(0), qweight.stride(0), out.stride(0),
+                                  HAS_BIAS=bias is not None, FP8_ROWS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  PRECISION="tf32", num_warps=warps)
     return out
