@@ -48,20 +48,25 @@ def llamacpp_rates(gguf: Path, threads: int, prefill_prompt: list[int], decode_p
     return {**out, **medians(out["rounds"])}
 
 
+def prefill_seconds(llm: LLM, prompt: list[int], request_id: str) -> float:
+    """Seconds the engine takes to prefill `prompt` alone, from an empty prefix cache, up to its first token."""
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - t0
+
+
 def engine_rates(llm: LLM, prefill_prompt: list[int], decode_prompt: list[int], decode_tokens: int,
                  rounds: int) -> dict:
     """The engine's rates by the same protocol: a prefill of `prefill_prompt` alone (one request that ends at its
     first token), then greedy decode steps after `decode_prompt`; the prefix cache reset before each."""
     engine, out = llm.engine, []
-    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     tokens: list[int] = []
     for r in range(rounds):
-        engine.block_manager.reset_prefix_cache()
-        engine.add_request(f"prefill{r}", prefill_prompt, greedy)
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        prefill_s = time.perf_counter() - t0
+        prefill_s = prefill_seconds(llm, prefill_prompt, f"prefill{r}")
         engine.block_manager.reset_prefix_cache()
         params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
         engine.add_request(f"decode{r}", decode_prompt, params)

@@ -21,14 +21,14 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from bench.llamacpp_peer import prefill_seconds
 from bench.report import PERF, publish_table, run_info, write_json
 from bench.throughput import progress_bar
-from engine import LLM, SamplingParams, platform_tuning
+from engine import LLM, platform_tuning
 from engine.kernels.cpu_build import bf16_matmul_isa, host_isa
 from engine.models import linear as lin
 from engine.perplexity import perplexity
@@ -71,15 +71,9 @@ def arm_hooks(arm: str):
 
 
 def prefill_rate(llm: LLM, prompt: list[int], rounds: int) -> float:
-    engine, rates = llm.engine, []
-    for r in range(rounds + 1):  # the first round warms up
-        engine.block_manager.reset_prefix_cache()
-        engine.add_request(f"prefill{r}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        rates.append(len(prompt) / (time.perf_counter() - t0))
-    return statistics.median(rates[1:])
+    # The first round warms up.
+    seconds = [prefill_seconds(llm, prompt, f"prefill{r}") for r in range(rounds + 1)]
+    return statistics.median(len(prompt) / s for s in seconds[1:])
 
 
 def main() -> None:

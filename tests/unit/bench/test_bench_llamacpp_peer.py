@@ -22,6 +22,10 @@ def test_engine_rates_time_a_prefill_and_the_decode_steps(tmp_path):
     rates = llamacpp_peer.engine_rates(llm, list(range(3, 103)), list(range(3, 20)), decode_tokens=6, rounds=2)
     assert len(rates["rounds"]) == 2 and len(rates["tokens"]) == 7
     assert rates["prefill_tok_s"] > 0 and rates["decode_tok_s"] > 0
+    from bench.prefill_precision import prefill_rate
+
+    assert prefill_rate(llm, list(range(3, 103)), rounds=2) > 0
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(("info", "path"), [
