@@ -7,6 +7,7 @@ touching the shared server of the local stack on 6379.
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -19,10 +20,35 @@ import redis
 START_TIMEOUT_S = 10.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that binds now and that this process has not handed out before.
+
+    Chosen below the kernel's ephemeral range: a port the kernel picks (bind to 0) is one it also gives to
+    outgoing connections, and one of the suite's many Kafka clients can take it between this call and the
+    server's bind, or while a private server is down for a restart on the same port."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port on 127.0.0.1 below {low}")
 
 
 class PrivateRedis:

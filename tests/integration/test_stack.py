@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from devstack import (
     stack_status,
     stack_up,
 )
+from tests.integration.redis_server import free_port
 
 # Generous because the first test of a fresh machine also pays for the Maven fetch and broker start.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -86,12 +86,6 @@ def test_cli_status_shows_both_up(local_stack: StackStatus) -> None:
     assert "infinilm.results" in result.output
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_down_then_up_on_a_private_stack(
     tmp_path: Path, stack_config: StackConfig, local_stack: StackStatus
@@ -101,9 +95,9 @@ def test_down_then_up_on_a_private_stack(
     cfg = StackConfig(
         state_dir=tmp_path / "stack",
         cache_dir=stack_config.cache_dir,
-        kafka_port=_free_port(),
-        controller_port=_free_port(),
-        redis_port=_free_port(),
+        kafka_port=free_port(),
+        controller_port=free_port(),
+        redis_port=free_port(),
         partitions=2,
         topics=("private.requests",),
         kafka_heap="256m",
