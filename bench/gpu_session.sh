@@ -31,14 +31,17 @@ prepare() {
       -d "$DEV/whl" "gguf==$gguf_version" "msgspec==$msgspec_version"
   fi
   cat <<EOF
-Prepared $DEV/ ($(du -sh "$DEV" | cut -f1)). The device calls (gpu_check starts no section after 270 s):
-  1. carry ["$DEV/whl", "${parts[0]}"], timeout_s 420, command:
-     bench/gpu_session.sh run kernels,decode_sweep,tiny_vs_hf_fp32,llama3_8b_shaped,llama3_8b_unfused
-     (these took about 70 s of sections on an H200: bench/results/gpu_check-a.json)
-  2. carry ["$DEV/whl", "${parts[1]}"], timeout_s 540, command:
-     bench/gpu_session.sh run smollm2_vs_hf,smollm2_speed,weight_formats,kv_formats
-  3. only for sections the second call's JSON marks "skipped": no carry, the same command on those sections.
-Then, here: python -m bench.gpu_check --report <the JSON files>, which rewrites docs/perf/gpu.md's section.
+Prepared $DEV/ ($(du -sh "$DEV" | cut -f1)). The device calls, inside a session's 15 minutes of device time
+(machine start included); gpu_check starts no section after --time-budget seconds and rewrites its JSON after
+every section, so a call cut off early still brings back what it finished:
+  1. carry ["$DEV/whl", "${parts[0]}"], timeout_s 300, command:
+     bench/gpu_session.sh run kernels,llama3_8b_shaped,decode_sweep,llama3_8b_unfused,tiny_vs_hf_fp32 --time-budget 200
+     (about 70 s of sections on an H200: bench/results/gpu_check-a.json)
+  2. carry ["$DEV/whl", "${parts[1]}"], timeout_s 480, command:
+     bench/gpu_session.sh run weight_formats,kv_formats,smollm2_vs_hf,smollm2_speed --time-budget 360
+  3. only for sections the second call's JSON marks "skipped" or lacks: no carry, the same command on those.
+Then, here: python -m bench.gpu_check --report <the JSON files>, which prints the issues' targets (met or missed)
+and rewrites docs/perf/gpu.md's generated sections.
 EOF
 }
 

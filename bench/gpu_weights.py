@@ -19,6 +19,7 @@ Prints a table and writes JSON under $OUT (or bench/results/).
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import json
@@ -33,6 +34,9 @@ from bench.gpu_check import (
     SMOLLM2_SHAPE,
     TINY,
     copy_bandwidth,
+    device_ms,
+    in_turn,
+    l2_copies,
     prepare_smollm2,
     sync,
     write_config_only,
@@ -67,21 +71,24 @@ def roofline(step_s: float, weight_bytes: int, kv_bytes: int, bandwidth: float) 
     return {"roofline_step_ms": roof_s * 1e3, "share_of_roofline": roof_s / step_s}
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    sync(device)
+def _time(calls: list, device: torch.device, repeats: int) -> float:
+    """Seconds per call. On CUDA the calls (the same product over copies of its weight, see
+    gpu_check.l2_copies) run in turn from a CUDA graph, so neither the host's launch cost nor an
+    L2-resident weight is what is timed; on the CPU the first call, `repeats` times."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeats / 1e3
+        return device_ms(in_turn(calls))[0] / 1e3
+    calls[0]()
     t = time.perf_counter()
     for _ in range(repeats):
-        fn()
+        calls[0]()
     return (time.perf_counter() - t) / repeats
+
+
+def _copies(module, device: torch.device) -> list:
+    """`module` and enough deep copies of it for l2_copies."""
+    from engine.quant.modules import weight_bytes
+
+    return [module] + [copy.deepcopy(module) for _ in range(l2_copies(device, weight_bytes(module)) - 1)]
 
 
 @torch.inference_mode()
@@ -100,27 +107,29 @@ def check_linears(device: torch.device, dtype: torch.dtype, quick: bool = False)
         fp8.qweight, fp8.scales, int8.qweight, int8.scales = q8.qweight, q8.scales, qi.qweight, qi.scales
         int4.qweight, int4.scales, int4.offsets = q4.qweight, q4.scales, q4.offsets
         plain = w.to(dtype)
+        plains = [plain] + [plain.clone() for _ in range(l2_copies(device, plain.nbytes) - 1)]
+        copies = {"fp8": _copies(fp8, device), "int8": _copies(int8, device), "int4": _copies(int4, device)}
         for m in (1, 64) if quick else (1, 64, 2048):
             x = torch.randn(m, k, generator=gen).to(device, dtype)
             want_fp8 = fake_quantize_rows(x).float() @ q8.dequantize().T
             want_int8, want_int4 = x.float() @ qi.dequantize().T, x.float() @ q4.dequantize().T
-            bf16_s = _time(lambda x=x, plain=plain: torch.nn.functional.linear(x, plain), device, 5 if quick else 50)
-            if device.type == "cuda":  # the Triton fp8 GEMM the engine could take for decode batches instead
-                fp8_triton = functools.partial(_fp8_triton, fp8)
-                # fp8 weight-only (the W8A16 kernel reads E4M3 codes too): the cost of keeping a layer's
-                # activations in bf16, which SmolLM2's perplexity asks for (docs/perf/gpu.md).
-                fp8_w8a16 = functools.partial(_fp8_weight_only, fp8)
-                want_w8a16 = x.float() @ q8.dequantize().T
-                cases = (("fp8", fp8, want_fp8), ("fp8-triton", fp8_triton, want_fp8),
-                         ("fp8-w8a16", fp8_w8a16, want_w8a16))
-            else:
-                cases = (("fp8", fp8, want_fp8),)
-            for fmt, mod, want in (*cases, ("int8", int8, want_int8), ("int4", int4, want_int4)):
-                got = mod(x).float()
-                s = _time(lambda mod=mod, x=x: mod(x), device, 5 if quick else 50)
+            bf16_s = _time([functools.partial(torch.nn.functional.linear, x, p) for p in plains], device,
+                           5 if quick else 50)
+            cases = [("fp8", copies["fp8"], want_fp8)]
+            if device.type == "cuda":
+                # The Triton fp8 GEMM the engine could take for decode batches instead, and fp8 weight-only (the
+                # W8A16 kernel reads E4M3 codes too): the cost of keeping a layer's activations in bf16, which
+                # SmolLM2's perplexity asks for (docs/perf/gpu.md).
+                cases += [("fp8-triton", [functools.partial(_fp8_triton, c) for c in copies["fp8"]], want_fp8),
+                          ("fp8-w8a16", [functools.partial(_fp8_weight_only, c) for c in copies["fp8"]],
+                           x.float() @ q8.dequantize().T)]
+            for fmt, mods, want in (*cases, ("int8", copies["int8"], want_int8), ("int4", copies["int4"], want_int4)):
+                got = mods[0](x).float()
+                s = _time([functools.partial(mod, x) for mod in mods], device, 5 if quick else 50)
                 rows.append({"layer": name, "n": n, "k": k, "m": m, "format": fmt,
                              "rel_err": ((got - want).norm() / want.norm()).item(),
                              "us": s * 1e6, "bf16_us": bf16_s * 1e6, "speedup": bf16_s / s})
+        del plains, copies
     return rows
 
 
@@ -234,6 +243,19 @@ def target_lines(ratios: list[dict], model: str) -> list[str]:
     return lines
 
 
+PPL_TARGET = 0.01  # SmolLM2's perplexity with fp8 weights: at most this much over bf16's
+
+
+def perplexity_targets(engines: list[dict], model: str = "smollm2") -> list[str]:
+    """The perplexity target for each fp8 arrangement `model` ran with a perplexity, against its bf16 run."""
+    ppl = {e["format"]: e["perplexity"] for e in engines if e.get("model") == model and "perplexity" in e}
+    if "bf16" not in ppl:
+        return []
+    return [f"target: {model} perplexity with {fmt} weights <= +{PPL_TARGET:.0%} over bf16: "
+            f"{ppl[fmt] / ppl['bf16'] - 1:+.2%} ({'met' if ppl[fmt] / ppl['bf16'] - 1 <= PPL_TARGET else 'missed'})"
+            for fmt in ppl if fmt.startswith("fp8")]
+
+
 def weight_formats(device: torch.device, quick: bool, bandwidth: float, smollm2_gguf: str | None = None) -> dict:
     """gpu_check's `weight_formats` section: every format on both models, one engine at a time."""
     dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -259,9 +281,41 @@ def weight_formats(device: torch.device, quick: bool, bandwidth: float, smollm2_
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report["speedups"] = speedups(report["engines"])
-    report["targets"] = target_lines(report["speedups"], "llama3-8b-shaped")
+    report["targets"] = target_lines(report["speedups"], "llama3-8b-shaped") + perplexity_targets(report["engines"])
     print_rows(report)
     return report
+
+
+def docs_body(report: dict) -> str:
+    """The markdown of a device run's weight_formats section: the targets, then the engines' and linears' rows."""
+    from bench.report import markdown_table
+
+    ratio = {(r["model"], r["format"], r["batch"]): r["x_bf16"] for r in report.get("speedups", [])}
+    engines, errors = [], []
+    for e in report.get("engines", []):
+        if "error" in e:
+            errors.append(f"- {e['model']} {e['format']}: {e['error']}")
+            continue
+        for r in e["runs"]:
+            x = ratio.get((e["model"], e["format"], r["batch"]))
+            engines.append((e["model"], e["format"], r["batch"], f"{r['step_ms']:.2f}", f"{r['decode_tok_s']:.0f}",
+                            "—" if x is None else f"{x:.2f}x", f"{r['prefill_tok_s']:.0f}",
+                            f"{r['share_of_roofline']:.0%}", f"{e['decode_weight_bytes'] / 2**20:.0f}",
+                            "—" if e["peak_memory_bytes"] is None else f"{e['peak_memory_bytes'] / 2**20:.0f}",
+                            f"{e['perplexity']:.3f}" if "perplexity" in e else "—"))
+    linears = [(r["layer"], r["m"], r["format"], f"{r['rel_err']:.1e}", f"{r['us']:.1f}", f"{r['bf16_us']:.1f}",
+                f"{r['speedup']:.2f}x") for r in report.get("linears", [])]
+    return "\n\n".join(filter(None, [
+        "\n".join(f"- {line}" for line in report.get("targets", [])) or "- no target's rows ran",
+        "\n".join(errors),
+        markdown_table("Engines by weight format: decode steps (CUDA graphs, pipelined), prefill, the roofline share on "
+                       "the bytes a step reads", ["model", "format", "batch", "step ms", "tok/s", "over bf16",
+                                                  "prefill tok/s", "roofline share", "weights MiB", "peak MiB",
+                                                  "perplexity"], engines) if engines else "",
+        markdown_table("Linears at a Llama-3-8B layer's shapes: error against the torch reference, time against "
+                       "bf16's F.linear", ["layer", "rows", "format", "rel. error", "us", "bf16 us", "over bf16"],
+                       linears) if linears else report.get("linears_error", ""),
+    ]))
 
 
 def print_rows(report: dict) -> None:

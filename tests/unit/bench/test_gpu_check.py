@@ -58,8 +58,11 @@ def test_targets_fusion_ratios_and_merged_runs():
     merged = merge_reports([a, b])
     assert merged["seconds"] == 15 and merged["llama3_8b_unfused"] is plain and "date" not in merged
     assert target_lines(merged) == [
-        "target: decode at batch 64 >= 70% of the HBM roofline: 72.5% (met)",
-        "target: single-stream step within 1.5x of the roofline: 1.39x (met)"]
+        "target: bf16 decode at batch 64 >= 80% of the HBM roofline: 72.5% (missed)",
+        "target: bf16 single-stream step within 1.2x of the roofline: 1.39x (missed)"]
+    faster = {"runs": [_run(64, "graphs+pipelined", 7.0, 5.8), _run(1, "graphs+pipelined", 4.2, 3.6)]}
+    assert [line.rsplit(" ", 2)[1:] for line in target_lines({"llama3_8b_shaped": faster})] == [
+        ["82.9%", "(met)"], ["1.17x", "(met)"]]
     # Only the modes both decoders ran are compared.
     assert fusion_lines(merged) == ["batch 64, graphs+pipelined: 10.00 ms unfused -> 8.00 ms fused (1.25x)"]
     with pytest.raises(SystemExit):
@@ -67,3 +70,112 @@ def test_targets_fusion_ratios_and_merged_runs():
     assert section_list("kernels, smollm2_speed") == ["kernels", "smollm2_speed"]
     with pytest.raises(argparse.ArgumentTypeError):
         section_list("kernels,warp_drive")
+
+
+def test_sections_run_in_the_order_given_and_each_one_is_saved(monkeypatch, tmp_path):
+    """A call cut off by the device's time limit keeps what it finished: the JSON is rewritten after every
+    section, marked incomplete until the end, and sections past the time budget are marked skipped."""
+    import argparse
+    import json
+    import time
+
+    import bench.gpu_check as gc
+
+    calls = []
+
+    def fake(name, seconds):
+        def run(*args):
+            calls.append(name)
+            time.sleep(seconds)
+            return {"ran": name}
+        return run
+
+    monkeypatch.setattr(gc, "copy_bandwidth", lambda *a: 1e9)
+    monkeypatch.setattr(gc, "decode_sweep", fake("decode_sweep", 1.5))
+    monkeypatch.setattr(gc, "check_kernels", fake("kernels", 0))
+    path, saved = tmp_path / "run.json", []
+
+    def save(report):
+        gc.save_report(report, path)
+        saved.append(json.loads(path.read_text()))
+
+    args = argparse.Namespace(device="cpu", quick=True, smollm2_gguf=None, time_budget=1.0,
+                              sections=["decode_sweep", "kernels"])
+    report = gc.run(args, save)
+    assert calls == ["decode_sweep"]  # kernels came after the budget had run out
+    assert [s["complete"] for s in saved] == [False, False, True]
+    assert saved[0]["decode_sweep"]["ran"] == "decode_sweep" and "kernels" not in saved[0]
+    assert "budget" in saved[1]["kernels"]["skipped"]
+    assert saved[-1] == json.loads(json.dumps(report, default=str)) and not list(tmp_path.glob("*.tmp"))
+    args.sections, args.time_budget, calls[:] = ["kernels", "decode_sweep"], 60, []
+    keys = list(gc.run(args))
+    assert calls == ["kernels", "decode_sweep"] and keys.index("kernels") < keys.index("decode_sweep")
+
+
+def test_report_writes_the_weight_and_kv_docs_sections_it_has_data_for(monkeypatch, tmp_path):
+    import bench.report
+    from bench.gpu_check import write_docs
+
+    docs = tmp_path / "gpu.md"
+    docs.write_text("intro\n<!-- gpu:start -->\nspeed rows\n<!-- gpu:end -->\n<!-- gpu-weights:start -->\nnot yet\n"
+                    "<!-- gpu-weights:end -->\nnotes\n<!-- gpu-kv:start -->\nnot yet\n<!-- gpu-kv:end -->\n")
+    monkeypatch.setattr(bench.report, "PERF", tmp_path)
+
+    def run(fmt, batch, tok_s):
+        return {"batch": batch, "step_ms": 1e3 * batch / tok_s, "decode_tok_s": tok_s, "prefill_tok_s": 9000.0,
+                "roofline_step_ms": 1.0, "share_of_roofline": 0.75, "kv_bytes": 1}
+
+    def engine(model, fmt, tok_s, ppl):
+        return {"model": model, "format": fmt, "decode_weight_bytes": 2**30, "peak_memory_bytes": 2**31,
+                "perplexity": ppl, "runs": [run(fmt, 64, tok_s[0]), run(fmt, 1, tok_s[1])]}
+
+    from bench.gpu_weights import perplexity_targets, speedups, target_lines
+    engines = [engine("llama3-8b-shaped", "bf16", (1000, 50), 1.0), engine("llama3-8b-shaped", "fp8", (1400, 85), 1.0),
+               engine("smollm2", "bf16", (9000, 400), 20.0), engine("smollm2", "fp8-auto", (9500, 410), 20.1),
+               {"model": "smollm2", "format": "int4", "error": "RuntimeError: boom"}]
+    weights = {"engines": engines, "speedups": speedups(engines), "linears": []}
+    weights["targets"] = target_lines(weights["speedups"], "llama3-8b-shaped") + perplexity_targets(engines)
+    assert weights["targets"][2:] == ["target: smollm2 perplexity with fp8-auto weights <= +1% over bf16: +0.50% (met)"]
+    kv = {"shape": "llama3-8b", "kv_memory_bytes": 16 << 30, "errors": {},
+          "runs": [{"format": f, "context": 4096, "batch": 64, "step_ms": 1e3 * 64 / t, "decode_tok_s": t,
+                    "roofline_step_ms": 20.0, "share_of_roofline": 0.8, "attention_backend": "triton",
+                    "cuda_graphs": True} for f, t in (("bf16", 3000.0), ("fp8", 4200.0))],
+          "concurrency": {"bf16": {"1024": 128, "4096": 32}, "fp8": {"1024": 256, "4096": 64}},
+          "perplexity": [{"format": "bf16", "perplexity": 19.0, "vs_bf16": 0.0},
+                         {"format": "fp8", "perplexity": 19.2, "vs_bf16": 0.2 / 19}]}
+    report = {"device": "NVIDIA H200", "multiprocessors": 132, "torch": "t", "triton": "3", "date": "today",
+              "copy_bandwidth_GBps": 4000.0, "weight_formats": weights, "kv_formats": kv}
+    write_docs(report, ["run-b.json"])
+    text = docs.read_text()
+    assert "speed rows" in text and text.count("not yet") == 0 and "notes" in text  # the speed section: no data
+    weights_part = text[text.index("gpu-weights:start"):text.index("gpu-weights:end")]
+    assert "fp8 decode at batch 64 >= 1.3x bf16: 1.40x (met)" in weights_part
+    assert "| llama3-8b-shaped | fp8 | 1 | 11.76 | 85 | 1.70x |" in weights_part
+    assert "smollm2 int4: RuntimeError: boom" in weights_part and "--report run-b.json" in weights_part
+    kv_part = text[text.index("gpu-kv:start"):text.index("gpu-kv:end")]
+    assert "fp8 KV decode at context 4096, batch 64 >= 1.3x bf16 KV: 1.40x (met)" in kv_part
+    assert "fp8 KV holds >= 2x the sequences of bf16 KV in the same memory (context 4096): 2.00x (met)" in kv_part
+    assert "perplexity with fp8 KV <= +0.5% over bf16 KV: +1.05% (missed)" in kv_part
+    assert "| fp8 | 256 | 64 |" in kv_part and "| fp8 | 4096 | 64 | 15.24 | 4200 | 1.40x |" in kv_part
+    # A section that failed on the device leaves the docs' text as it was.
+    report["kv_formats"] = {"error": "RuntimeError: no fp8"}
+    write_docs(report, ["run-c.json"])
+    assert docs.read_text().count("run-c.json") == 1  # the weights part only
+
+
+def test_l2_copies_cover_three_times_the_l2_and_in_turn_rotates(monkeypatch):
+    """Kernel rows time launches replayed back to back; rotating over copies of the inputs keeps each launch's
+    reads out of the L2 cache that the previous launches filled."""
+    import types
+
+    from bench.gpu_check import in_turn, l2_copies
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(L2_cache_size=50 << 20))
+    cuda = torch.device("cuda")
+    assert l2_copies(cuda, 4 << 20) == 38 and l2_copies(cuda, 50 << 20) == 3 and l2_copies(cuda, 1 << 30) == 1
+    assert l2_copies(torch.device("cpu"), 1) == 1
+    seen = []
+    call = in_turn([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]

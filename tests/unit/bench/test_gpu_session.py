@@ -8,6 +8,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+from bench.gpu_check import SECTIONS
+
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "gpu_session.sh"
 
 
@@ -31,6 +33,13 @@ def test_prepare_splits_in_two_and_run_joins_only_when_both_halves_are_there(tmp
     parts = sorted(dev.glob("smollm2.gguf.part-*"))
     assert [p.stat().st_size for p in parts] == [700, 500]
     assert str(parts[0]) in prepared.stdout and str(parts[1]) in prepared.stdout  # the carry lists to use
+    # The printed calls run every section of gpu_check once, each call's budget inside its timeout.
+    lines = prepared.stdout.splitlines()
+    runs = [(line.split()[2], float(line.split()[-1]), int(lines[i - 1].split("timeout_s ")[1].split(",")[0]))
+            for i, line in enumerate(lines) if line.strip().startswith("bench/gpu_session.sh run")]
+    sections = [s for names, _, _ in runs for s in names.split(",")]
+    assert sorted(sections) == sorted(SECTIONS) and len(runs) == 2
+    assert all(budget < timeout for _, budget, timeout in runs) and sum(t for *_, t in runs) < 900
 
     second = parts[1].read_bytes()
     parts[1].unlink()  # the first call: one half has come
