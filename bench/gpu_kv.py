@@ -152,9 +152,10 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
                 continue
             nbytes = 2 * batch * context * kvh * row_bytes[fmt]
             launches = []  # over copies of the cache, so that a graph's back-to-back launches read HBM, not L2
-            for _ in range(l2_copies(device, nbytes)):
+            for i in range(l2_copies(device, nbytes)):
                 if fmt == "bf16":
-                    launches.append(functools.partial(paged_decode, q, kv.clone(), tables, lens, d**-0.5))
+                    launches.append(functools.partial(paged_decode, q, kv if i == 0 else kv.clone(), tables, lens,
+                                                      d**-0.5))
                     continue
                 cache = Int8KVCache.allocate(nb, bs, kvh, d, 0, 1, dtype, device, fmt)
                 write_int8(cache, kv[0].reshape(-1, kvh, d), kv[1].reshape(-1, kvh, d), slots)
