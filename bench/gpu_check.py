@@ -248,7 +248,7 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
 
 def prefill_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, quick: bool) -> dict:
     """The bf16 paged prefill kernel's query-tile rows, keys per iteration and warps, timed on one causal
-    prompt: the default launch holds its tiles in registers on sm_90, the others spill (test_triton_compiles.py)."""
+    prompt. The default is the launch the first device runs timed; 128-row tiles over 4 warps spill on sm_90."""
     from engine.attention.metadata import PrefillSpan
     from engine.attention.triton_kernels import PREFILL_KEYS, PREFILL_WARPS, paged_prefill, prefill_launch
 
@@ -511,6 +511,33 @@ def section(report: dict, key: str, deadline: float, fn, *args) -> None:
     print(f"[gpu_check] {key}: {time.perf_counter() - t:.1f}s", flush=True)
 
 
+def compiled_kernels() -> list[dict]:
+    """Registers and spills of every Triton kernel variant this process has compiled and launched, from the
+    device's own builds: what tests/unit/engine/test_triton*_compiles.py predict on the CPU machine."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    rows, seen = [], set()
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith(("engine.", "bench.")):
+            continue
+        for fn in vars(module).values():
+            if not isinstance(fn, JITFunction) or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    if getattr(kernel, "n_regs", None) is None:
+                        continue  # compiled but never loaded onto the device
+                    src = getattr(kernel, "src", None)
+                    consts = {fn.arg_names[path[0]]: value for path, value in getattr(src, "constants", {}).items()}
+                    rows.append({"kernel": fn.__name__, "constexprs": consts, "warps": kernel.metadata.num_warps,
+                                 "stages": kernel.metadata.num_stages, "registers": kernel.n_regs,
+                                 "spills": kernel.n_spills})
+    return sorted(rows, key=lambda r: (r["kernel"], -r["registers"]))
+
+
 def save_report(report: dict, path: Path) -> None:
     """Write `report` to `path` whole or not at all (a call killed mid-write keeps the previous save)."""
     tmp = path.with_suffix(".tmp")
@@ -588,6 +615,8 @@ def run(args, save=None) -> dict:
     assert runners.keys() == set(SECTIONS)
     for key in args.sections:
         section(report, key, deadline, runners[key])
+        if device.type == "cuda":
+            report["compiled_kernels"] = compiled_kernels()
         if save is not None:
             save(report)
     report["seconds"] = time.perf_counter() - started
@@ -638,6 +667,12 @@ def print_report(report: dict) -> None:
                                                                                "block_m", "keys"))
             print(f"decode sweep {label}: default {sw['default_us']:.0f}us ({sw['default_GBps'] or 0:.0f} GB/s); best "
                   f"{best.get('us', float('nan')):.0f}us ({best.get('GBps', 0):.0f} GB/s) with {settings}")
+    kernels = report.get("compiled_kernels") or []
+    if kernels:
+        most = max(kernels, key=lambda r: r["registers"])
+        spilled = sorted({r["kernel"] for r in kernels if r["spills"]})
+        print(f"compiled Triton kernels: {len(kernels)} variants, most registers {most['registers']} "
+              f"({most['kernel']}, {most['warps']} warps); spilling: {', '.join(spilled) or 'none'}")
     for line in target_lines(report):
         print(line)
 

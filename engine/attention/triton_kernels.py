@@ -341,10 +341,10 @@ def prefill_launch(spans, device: torch.device, block_m: int | None = None) -> P
                          max(16, triton.next_power_of_2(max_segs)))
 
 
-# Prefill tiles of 64 query rows x 32 keys over 8 warps: the sm_90 builds of Triton 3.6 and 3.9 hold them
-# in registers (tests/unit/engine/test_triton_compiles.py); 64 keys or 4 warps spill.
-PREFILL_KEYS = 32
-PREFILL_WARPS = 8
+# Prefill tiles of 64 query rows x 64 keys over 4 warps: the launch the device runs in docs/perf/gpu.md
+# timed; sm_90 holds it in registers (tests/unit/engine/test_triton_compiles.py).
+PREFILL_KEYS = 64
+PREFILL_WARPS = 4
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, spans, scale: float, block_m: int | None = None,

@@ -25,8 +25,6 @@ import triton.language as tl
 
 from engine.attention.kv_int8 import Int8KVCache, KVWindowMetadata
 from engine.attention.triton_kernels import (
-    PREFILL_KEYS,
-    PREFILL_WARPS,
     PrefillLaunch,
     _allowed,
     _decode_program,
@@ -138,8 +136,7 @@ def paged_decode_quant(q: torch.Tensor, cache: Int8KVCache, block_tables: torch.
     values = cache.values
     b = q.shape[0]
     _, _, bs, kvh, _ = values.shape
-    # 64 keys an iteration, 32 with a window (its ring tiles would spill registers on sm_90).
-    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, (64 if win is None else 32) // bs), splits, out)
+    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, 64 // bs), splits, out)  # 64 keys an iteration
     ring, rs, w = _ring_args(cache, win, q)
     wslot = win.decode_slots if win is not None else seq_lens
     wlo = win.decode_lo if win is not None else seq_lens
@@ -239,6 +236,12 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
+# 8-bit prefill tiles of 64 query rows x 32 keys over 8 warps: with the full-precision window (a second
+# score tile) 64 keys spill on sm_90 (tests/unit/engine/test_triton_kvq_compiles.py).
+PREFILL_KEYS = 32
+PREFILL_WARPS = 8
+
+
 @dataclass
 class QuantPrefillLaunch:
     """prefill_launch's tables plus each span's ring slot and ring start ([spans, 2] int32; zeros without a
@@ -280,7 +283,6 @@ def paged_prefill_quant(q: torch.Tensor, cache: Int8KVCache, spans, scale: float
         s_sckv, s_scblk, s_sctok, out.stride(0), out.stride(1), base.tables.stride(0), base.segs.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *rs,
         G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=base.block_m,
-        # The bf16 kernel's tiles: without a window sm_90 holds them in registers (test_triton_kvq_compiles.py).
         PAGES=max(1, PREFILL_KEYS // bs), NSEG_PAD=base.nseg_pad, PER_ROW=not cache.is_fp8, W=w,
         PRECISION=_precision(q), num_warps=PREFILL_WARPS,
     )

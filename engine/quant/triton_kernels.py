@@ -106,8 +106,8 @@ def _w8a16_blocks(m: int) -> tuple[int, int, int, int]:
     if m <= 16:
         return 16, 64, 128, 4
     if m <= 64:
-        return 64, 64, 32, 4
-    return 128, 128, 32, 8
+        return 64, 64, 64, 4
+    return 128, 128, 64, 8
 
 
 def _gemm_launch(x: torch.Tensor, n: int, out_dtype: torch.dtype | None = None):

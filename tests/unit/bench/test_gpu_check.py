@@ -179,3 +179,39 @@ def test_l2_copies_cover_three_times_the_l2_and_in_turn_rotates(monkeypatch):
     for _ in range(7):
         call()
     assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
+def _toy_kernel(x_ptr, n, BLOCK):
+    pass
+
+
+def test_compiled_kernels_reads_each_loaded_variant_of_the_engines_kernels(monkeypatch):
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import JITFunction
+
+    from bench.gpu_check import compiled_kernels
+
+    fn = JITFunction(_toy_kernel)
+
+    def build(regs, spills, warps, block):
+        return SimpleNamespace(n_regs=regs, n_spills=spills, metadata=SimpleNamespace(num_warps=warps, num_stages=3),
+                               src=SimpleNamespace(constants={(2,): block}))
+
+    unloaded = SimpleNamespace(n_regs=None)  # compiled, never launched: no device figures to read
+    fn.device_caches[0] = ({"a": build(145, 0, 4, 64), "b": build(80, 8, 8, 32), "c": unloaded}, None, None, None,
+                           None)
+    engine_side = types.ModuleType("engine.toy_kernels")
+    engine_side.kernel = engine_side.alias = fn  # one kernel under two names is read once
+    elsewhere = types.ModuleType("toy_elsewhere")
+    elsewhere.kernel = JITFunction(_toy_kernel)
+    elsewhere.kernel.device_caches[0] = ({"a": build(1, 0, 1, 1)}, None, None, None, None)
+    monkeypatch.setitem(sys.modules, "engine.toy_kernels", engine_side)
+    monkeypatch.setitem(sys.modules, "toy_elsewhere", elsewhere)
+    rows = [r for r in compiled_kernels() if r["kernel"] == "_toy_kernel"]
+    assert rows == [
+        {"kernel": "_toy_kernel", "constexprs": {"BLOCK": 64}, "warps": 4, "stages": 3, "registers": 145, "spills": 0},
+        {"kernel": "_toy_kernel", "constexprs": {"BLOCK": 32}, "warps": 8, "stages": 3, "registers": 80, "spills": 8},
+    ]

@@ -1,10 +1,17 @@
-"""Compile a Triton kernel for sm_90 (H100/H200) on a machine without a GPU, and read its resources.
+"""Compile the Triton launches the engine makes for sm_90 (H100/H200) on a machine without a GPU, and read
+each kernel's resources.
 
-Triton's compiler and the ptxas it ships run without a device; cuobjdump beside them reports each
-cubin's registers per thread and spills. The interpreter the other kernel tests use is plain Python
-over numpy, so it cannot catch what only the compiler checks (types carried through loops, fp8
-conversions, dot operand types, register pressure). A process that interprets kernels cannot also
-compile them, so callers run their compile scripts through `run_script` in a subprocess.
+`record_launches` runs the engine's own launch wrappers on CPU tensors of the model's shape and keeps
+each Triton launch instead of running it; `compile_sm90` compiles a kept launch the way Triton's JIT
+would on an H100: the same argument types and constexprs, and the same specialisation on the argument
+values (16-byte aligned pointers and strides divisible by 16 are marked so, which lets the compiler
+vectorise loads; without it a [64, 128] bf16 tile is read one element and one 64-bit address at a
+time, and the register counts read here were twice the launched kernel's). Triton's compiler and the
+ptxas it ships run without a device; cuobjdump beside them reports each cubin's registers per thread
+and spills. The interpreter the other kernel tests use is plain Python over numpy, so it cannot catch
+what only the compiler checks (types carried through loops, fp8 conversions, dot operand types,
+register pressure). A process that interprets kernels cannot also compile them, so callers run their
+compile scripts through `run_script` in a subprocess.
 """
 
 from __future__ import annotations
@@ -15,35 +22,93 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
+from unittest import mock
 
 
-def compile_sm90(fn, ptrs: dict, consts: dict, scalars: dict | None = None, warps: int = 4) -> dict:
-    """{"registers", "stack", "local"} of `fn` compiled for sm_90: pointer arguments typed by `ptrs`
-    (bf16 when absent), `consts` its constexprs, other arguments i32 unless `scalars` says otherwise
-    ("scale" and "eps" are fp32)."""
-    import triton
+@dataclass
+class Launch:
+    """One Triton launch as the wrapper made it: the kernel and its arguments, grid aside."""
+
+    kernel: object  # triton.runtime.jit.JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+def record_launches(step) -> list[Launch]:
+    """Call `step()` with every Triton kernel launch kept, in order, instead of run (outputs stay unwritten)."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+
+    def keep(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, dict(kwargs)))
+
+    with mock.patch.object(JITFunction, "run", keep):
+        step()
+    return launches
+
+
+def _target():
     from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+def specialise(launch: Launch):
+    """(options, signature, constexprs, attrs) of `launch` for sm_90, as JITFunction.run derives them from
+    the argument values (create_function_from_signature's binder, then _pack_args)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(_target())
+    fn, kwargs = launch.kernel, dict(launch.kwargs)
+    kwargs.setdefault("debug", fn.debug)
+    bind = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = bind(*launch.args, **kwargs)
+    return fn._pack_args(backend, kwargs, bound, specialization, options)
+
+
+def divisible_args(launch: Launch) -> set[str]:
+    """The arguments `launch` passes as multiples of 16 (pointers: 16-byte aligned), which the compiler may
+    vectorise on."""
+    _, _, _, attrs = specialise(launch)
+    names = [p.name for p in launch.kernel.params]
+    return {names[path[0]] for path, marks in attrs.items() if ["tt.divisibility", 16] in marks}
+
+
+def compile_sm90(launch: Launch) -> dict:
+    """{"registers", "stack", "local", "warps"} of `launch` compiled for sm_90 as specialise() describes it."""
+    import triton
     from triton.compiler import ASTSource
 
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = ptrs.get(name, "*bf16")
-        else:
-            sig[name] = (scalars or {}).get(name, "fp32" if name in ("scale", "eps") else "i32")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
+    options, signature, constexprs, attrs = specialise(launch)
+    kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=_target(),
+                            options=options.__dict__)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
+        f.write(kernel.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                               check=True).stdout
     regs, stack, _, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text).groups())
-    return {"registers": regs, "stack": stack, "local": local}
+    return {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps}
+
+
+def compile_step(step) -> dict[str, dict]:
+    """compile_sm90 of each launch `step()` makes, by kernel name (numbered when one kernel runs twice)."""
+    out: dict[str, dict] = {}
+    for launch in record_launches(step):
+        name, n = launch.name, 2
+        while name in out:
+            name, n = f"{launch.name}#{n}", n + 1
+        out[name] = compile_sm90(launch)
+    return out
 
 
 def run_script(script: str) -> dict:

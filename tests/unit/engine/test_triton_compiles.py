@@ -1,9 +1,10 @@
 """The bf16 attention kernels, the fused element-wise kernels and the quantized weight GEMMs compile for
 sm_90 (H100/H200) with the ptxas Triton ships, on a machine without a GPU (tests/unit/engine/sm90_compile.py).
 
-Each variant is the one the engine launches for the Llama-3-8B shape in bf16: decode with and without
-the split, prefill at its default launch, and each GEMM at each of `_w8a16_blocks`' tiles. The 8-bit
-KV kernels have their own file (test_triton_kvq_compiles.py).
+Each launch is the one the engine's wrapper makes for the Llama-3-8B shape in bf16 at a 4k context,
+recorded from the wrapper itself and specialised on its arguments as Triton's JIT does on a device:
+decode at batch 64 and split at batch 1, a prefill chunk after a cached prefix, and each GEMM at each
+of `_w8a16_blocks`' tiles. The 8-bit KV kernels have their own file (test_triton_kvq_compiles.py).
 """
 
 from __future__ import annotations
@@ -16,46 +17,65 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = r"""
 import json
-from engine.attention.triton_kernels import (PREFILL_KEYS, PREFILL_WARPS, _decode_kernel, _decode_reduce_kernel,
-                                            _prefill_kernel)
-from engine.models.fused_ops import _add_rms_norm_kernel, _silu_mul_kernel
-from engine.quant.triton_kernels import _quantize_rows_kernel, _scaled_gemm_kernel, _w4a16_kernel, _w8a16_blocks
-from tests.unit.engine.sm90_compile import compile_sm90
 
-H, KVH, D, HIDDEN = 32, 8, 128, 4096  # Llama-3-8B
+import torch
+
+from engine.attention.metadata import MaskSpec, PrefillSpan
+from engine.attention.triton_kernels import paged_decode, paged_prefill
+from engine.models.fused_ops import add_rms_norm, silu_mul
+from engine.quant.triton_kernels import quantize_rows_fp8, w4a16_linear, w8a8_fp8_linear, w8a16_linear
+from tests.unit.engine.sm90_compile import compile_step, divisible_args, record_launches
+
+H, KVH, D, HIDDEN, BS, CTX = 32, 8, 128, 4096, 16, 4096  # Llama-3-8B, 4k context
+BF = torch.bfloat16
+kv = torch.zeros(2, 64 * CTX // BS, BS, KVH, D, dtype=BF)
+tables = torch.arange(64 * CTX // BS).view(64, -1)  # int64, as AttentionMetadata's decode_block_tables
+lens = torch.full((64,), CTX)
 out = {}
-for split in (False, True):
-    out[f"decode bf16 split={split}"] = compile_sm90(
-        _decode_kernel, {"bt_ptr": "*i64", "lens_ptr": "*i64", "part_ptr": "*fp32", "ml_ptr": "*fp32"},
-        {"G": H // KVH, "G_PAD": 16, "D": D, "D_PAD": D, "BS": 16, "PAGES": 4, "SPLIT": split, "PRECISION": "tf32"})
-out["decode reduce"] = compile_sm90(_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32"},
-                                    {"D": D, "D_PAD": D, "S_PAD": 16})
-out["prefill bf16"] = compile_sm90(
-    _prefill_kernel, {"meta_ptr": "*i32", "bt_ptr": "*i32", "seg_ptr": "*i32"},
-    {"G": H // KVH, "D": D, "D_PAD": D, "BS": 16, "BLOCK_M": 64, "PAGES": PREFILL_KEYS // 16, "NSEG_PAD": 16,
-     "PRECISION": "tf32"}, warps=PREFILL_WARPS)
-for res in (False, True):
-    out[f"add_rms_norm res={res}"] = compile_sm90(_add_rms_norm_kernel, {}, {"HAS_RES": res, "BLOCK": HIDDEN})
-out["silu_mul"] = compile_sm90(_silu_mul_kernel, {}, {"BLOCK": 1024})
-out["quantize_rows fp8"] = compile_sm90(_quantize_rows_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                                        {"FMAX": 448.0, "SMIN": 1e-12, "BLOCK_K": HIDDEN})
-for rows in (16, 64, 128):
-    bm, bn, bk, warps = _w8a16_blocks(rows)
-    tiles = {"BLOCK_M": bm, "BLOCK_N": bn}
-    for fmt, codes in (("int8", "*i8"), ("fp8", "*fp8e4nv")):
-        out[f"w8a16 {fmt} m={rows}"] = compile_sm90(
-            _scaled_gemm_kernel, {"w_ptr": codes, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*fp32"},
-            {"HAS_BIAS": False, "FP8_ROWS": False, "BLOCK_K": bk, "PRECISION": "tf32", **tiles}, warps=warps)
-    out[f"w4a16 m={rows}"] = compile_sm90(
-        _w4a16_kernel, {"w_ptr": "*u8", "s_ptr": "*fp16", "o_ptr": "*fp16", "b_ptr": "*fp16"},
-        {"HAS_BIAS": False, "RUNS": 4, "PRECISION": "tf32", **tiles}, warps=warps)
-    out[f"w8a8 fp8 m={rows}"] = compile_sm90(
-        _scaled_gemm_kernel, {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-                              "b_ptr": "*fp32"},
-        {"HAS_BIAS": False, "FP8_ROWS": True, "BLOCK_K": bk, "PRECISION": "tf32", **tiles}, warps=warps)
-print(json.dumps(out))
+
+
+def add(name, step):
+    for kernel, usage in compile_step(step).items():
+        out[f"{name}: {kernel}"] = usage
+
+
+def decode():
+    paged_decode(torch.zeros(64, H, D, dtype=BF), kv, tables, lens, 0.1)
+
+
+add("decode batch 64", decode)
+# An H100's 132 multiprocessors split one sequence's 4k context 32 ways (decode_splits); the CPU has none.
+add("decode batch 1 split", lambda: paged_decode(torch.zeros(1, H, D, dtype=BF), kv, tables[:1], lens[:1], 0.1,
+                                                  splits=32))
+span = PrefillSpan(0, 512, 1024, tables[0, :96], MaskSpec(), block_ids=tables[0, :96].tolist())
+# A GPU launch takes 64-row query tiles (prefill_launch); the CPU's default is 16.
+add("prefill", lambda: paged_prefill(torch.zeros(512, H, D, dtype=BF), kv, [span], 0.1, block_m=64))
+x = torch.zeros(64, HIDDEN, dtype=BF)
+add("add_rms_norm", lambda: add_rms_norm(x, torch.ones(HIDDEN, dtype=BF), 1e-5))
+add("add_rms_norm residual", lambda: add_rms_norm(x, torch.ones(HIDDEN, dtype=BF), 1e-5, x))
+add("silu_mul", lambda: silu_mul(torch.zeros(64, 2 * 14336, dtype=BF)))
+add("quantize_rows fp8", lambda: quantize_rows_fp8(x))
+N = (H + 2 * KVH) * D  # the qkv projection
+scales = torch.ones(N)
+for rows in (16, 64, 128):  # the three tiles of _w8a16_blocks
+    x = torch.zeros(rows, HIDDEN, dtype=BF)
+    for fmt, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        add(f"w8a16 {fmt} m={rows}", lambda: w8a16_linear(x, torch.zeros(N, HIDDEN, dtype=dtype), scales))
+    add(f"w4a16 m={rows}", lambda: w4a16_linear(x, torch.zeros(N, HIDDEN // 2, dtype=torch.uint8),
+                                                torch.ones(N, HIDDEN // 128, dtype=torch.float16),
+                                                torch.zeros(N, HIDDEN // 128, dtype=torch.float16)))
+    xq, xs = torch.zeros(rows, HIDDEN, dtype=torch.float8_e4m3fn), torch.ones(rows, 1)
+    add(f"w8a8 fp8 m={rows}", lambda: w8a8_fp8_linear(xq, xs, torch.zeros(N, HIDDEN, dtype=torch.float8_e4m3fn),
+                                                      scales))
+(launch,) = record_launches(decode)
+print(json.dumps({"usage": out, "decode_divisible": sorted(divisible_args(launch))}))
 """
 
 
 def test_bf16_attention_fused_ops_and_weight_gemms_compile_for_sm90():
-    assert_no_spills(run_script(SCRIPT), 20)
+    got = run_script(SCRIPT)
+    assert_no_spills(got["usage"], 20)
+    # The compile is specialised as a device launch is: the cache's pointer and strides are marked
+    # divisible by 16 (so K/V rows load as vectors); the sequence lengths, a scalar per program, too.
+    assert {"kv_ptr", "q_ptr", "s_blk", "s_tok", "s_head", "s_kv", "lens_ptr"} <= set(got["decode_divisible"])
+    assert "scale" not in got["decode_divisible"]
