@@ -222,9 +222,9 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
         want = paged_decode(q, kv, tables, lens, scale).float()
         kv_bytes = 2 * b * length * kvh * d * kv.element_size()
         rows = []
-        # Pages per iteration set the registers and so the warps an SM can hold (docs/perf/gpu.md);
-        # num_stages did not change them, so it stays at 2.
-        for pages, warps, stages, splits in itertools.product((1, 2, 4, 8), (2, 4, 8), (2,), (None, 2)):
+        # Pages per iteration, warps and stages set the registers and so the programs an SM can hold
+        # (docs/perf/gpu.md); 2 warps hold too many registers from 4 pages up.
+        for pages, warps, stages, splits in itertools.product((1, 2, 4, 8), (4, 8), (2, 3), (None, 2)):
             launch = functools.partial(paged_decode, q, kv, tables, lens, scale, splits=splits, pages=pages,
                                        num_warps=warps, num_stages=stages)
             try:

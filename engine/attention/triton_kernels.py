@@ -149,13 +149,19 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Two pipeline stages, not Triton's three: on sm_90 the decode kernel then holds 112 registers instead of 145
+# (Triton 3.6), four programs per multiprocessor instead of three; the device's sweep timed it 1.25x faster
+# at batch 64 (docs/perf/gpu.md). The 8-bit kernels' counts do not change with it, so they keep the default.
+DECODE_STAGES = 2
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, splits: int | None = None, pages: int | None = None,
                  out: torch.Tensor | None = None, num_warps: int | None = None,
                  num_stages: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D]
     (written into `out` when given: a [B, H, D] view with unit stride in D). `num_warps` and
-    `num_stages` override Triton's launch defaults (bench.gpu_check's decode sweep).
+    `num_stages` override the launch defaults (Triton's warps, DECODE_STAGES) for bench.gpu_check's sweep.
 
     `splits` (programs per sequence and KV head, at most) and `pages` (blocks per iteration) are for
     tests; None picks them from the shapes.
@@ -167,7 +173,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         q, kv_cache, block_tables, seq_lens, launch.out, launch.partials, launch.ml, scale, launch.per_split,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), launch.out.stride(0), launch.out.stride(1),
-        PRECISION=_precision(kv_cache), **launch.constants, **_launch_options(num_warps, num_stages),
+        PRECISION=_precision(kv_cache), **launch.constants,
+        **_launch_options(num_warps, DECODE_STAGES if num_stages is None else num_stages),
     )
     return launch.finish()
 

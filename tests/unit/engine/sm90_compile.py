@@ -82,7 +82,8 @@ def divisible_args(launch: Launch) -> set[str]:
 
 
 def compile_sm90(launch: Launch) -> dict:
-    """{"registers", "stack", "local", "warps"} of `launch` compiled for sm_90 as specialise() describes it."""
+    """{"registers", "stack", "local", "warps", "shared"} of `launch` compiled for sm_90 as specialise() describes
+    it; "shared" is the bytes of shared memory a program takes (pipelined loads stage there)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -97,7 +98,8 @@ def compile_sm90(launch: Launch) -> dict:
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                               check=True).stdout
     regs, stack, _, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text).groups())
-    return {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps}
+    return {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps,
+            "shared": kernel.metadata.shared}
 
 
 def compile_step(step) -> dict[str, dict]:
