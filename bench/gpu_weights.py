@@ -5,7 +5,7 @@
     python -m bench.gpu_check --sections weight_formats   # as gpu_check's section
 
 1. Kernels: each quantized linear against its torch reference at decode and prefill shapes of a
-   Llama-3-8B layer, and its time against bf16's F.linear (CUDA events).
+   Llama-3-8B layer, and its time against bf16's F.linear (CUDA graphs); int8 also with K unsplit.
 2. Engines: the 8B-shaped model (random weights, quantized in place by round-to-nearest) and
    SmolLM2 (its real weights, calibrated at load; else its shape): decode steps at batch 64 and 1
    (CUDA graphs and pipelining on), prefill tokens/s, weight bytes and peak device memory, and the
@@ -122,7 +122,9 @@ def check_linears(device: torch.device, dtype: torch.dtype, quick: bool = False)
                 # SmolLM2's perplexity asks for (docs/perf/gpu.md).
                 cases += [("fp8-triton", [functools.partial(_fp8_triton, c) for c in copies["fp8"]], want_fp8),
                           ("fp8-w8a16", [functools.partial(_fp8_weight_only, c) for c in copies["fp8"]],
-                           x.float() @ q8.dequantize().T)]
+                           x.float() @ q8.dequantize().T),
+                          # int8 with K never split (k_splits): what the split gains where tiles are few.
+                          ("int8-unsplit", [functools.partial(_int8_unsplit, c) for c in copies["int8"]], want_int8)]
             for fmt, mods, want in (*cases, ("int8", copies["int8"], want_int8), ("int4", copies["int4"], want_int4)):
                 got = mods[0](x).float()
                 s = _time([functools.partial(mod, x) for mod in mods], device, 5 if quick else 50)
@@ -138,6 +140,12 @@ def _fp8_triton(layer, x: torch.Tensor) -> torch.Tensor:
 
     xq, xs = quantize_rows_fp8(x)
     return w8a8_fp8_linear(xq, xs, layer.qweight, layer.scales, layer.bias)
+
+
+def _int8_unsplit(layer, x: torch.Tensor) -> torch.Tensor:
+    from engine.quant.triton_kernels import w8a16_linear
+
+    return w8a16_linear(x, layer.qweight, layer.scales, layer.bias, splits=1)
 
 
 def _fp8_weight_only(layer, x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +328,7 @@ def docs_body(report: dict) -> str:
 
 def print_rows(report: dict) -> None:
     for r in report.get("linears", []):
-        print(f"linear {r['layer']:8} m={r['m']:<5} {r['format']:5} rel err {r['rel_err']:.2e} "
+        print(f"linear {r['layer']:8} m={r['m']:<5} {r['format']:12} rel err {r['rel_err']:.2e} "
               f"{r['us']:9.1f} us (bf16 {r['bf16_us']:9.1f} us, {r['speedup']:.2f}x)")
     print(f"{'model':18} {'format':9} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'prefill tok/s':>13} {'roof ms':>8} "
           f"{'share':>6} {'weights MiB':>11} {'peak MiB':>9} {'ppl':>7} {'W8A8':>5}")

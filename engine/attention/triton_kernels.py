@@ -133,8 +133,7 @@ def decode_splits(batch: int, kv_heads: int, max_blocks: int, pages: int, device
     are split among programs, flash-decoding style, so that enough KV reads are in flight to keep
     memory busy; the split depends only on shapes, so it stays fixed inside a captured CUDA graph.
     """
-    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
+    sms = multiprocessors(device)
     programs = batch * kv_heads
     chunks = triton.cdiv(max_blocks, pages)  # iterations a single program would run
     if programs >= 2 * sms or chunks < 2:
@@ -144,8 +143,16 @@ def decode_splits(batch: int, kv_heads: int, max_blocks: int, pages: int, device
     return triton.cdiv(max_blocks, per_split), per_split
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which launch shapes are sized against; 4 off CUDA (the
+    interpreter the CPU tests run), so that those tests take the same paths."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _multiprocessors(device_index: int) -> int:
+def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -145,3 +145,49 @@ def test_a_weight_only_fp8_linear_runs_the_w8a16_kernel_on_its_codes(monkeypatch
     assert len(calls) == 1 and calls[0][1] is layer.qweight
     want = x.double() @ q.dequantize().double().T
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_k_splits_fill_the_multiprocessors_only_when_the_tiles_do_not(monkeypatch):
+    from engine.quant import triton_kernels
+
+    cpu = torch.device("cpu")  # counts as 4 multiprocessors
+    assert triton_kernels.k_splits(4, 4096, 128, cpu) == (1, 4096)  # a tile per multiprocessor already
+    assert triton_kernels.k_splits(1, 4096, 128, cpu) == (8, 512)  # 2 per multiprocessor, 4 steps each
+    assert triton_kernels.k_splits(1, 7 * 128, 128, cpu) == (1, 896)  # too short to split into 4-step parts
+    monkeypatch.setattr(triton_kernels, "multiprocessors", lambda device: 132)  # an H100
+    # Batch 1 on the 8B shape, 16x64x128 tiles: qkv (96 tiles), o (64), down (64 over K 14336), gate_up (448).
+    assert triton_kernels.k_splits(96, 4096, 128, cpu) == (3, 1408)
+    assert triton_kernels.k_splits(64, 4096, 128, cpu) == (5, 896)
+    assert triton_kernels.k_splits(64, 14336, 128, cpu) == (5, 2944)
+    assert triton_kernels.k_splits(448, 4096, 128, cpu) == (1, 4096)
+    for programs, k in ((96, 4096), (64, 4096), (64, 14336), (1, 1100)):
+        splits, per = triton_kernels.k_splits(programs, k, 128, cpu)
+        assert per % 128 == 0 and (splits - 1) * per < k <= splits * per  # every input in exactly one split
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_gemms_split_over_k_match_the_unsplit_products(splits):
+    """K = 1152 in 3 splits of 384 (and, by default on the CPU's 4 'multiprocessors', k_splits' 2): each
+    kernel's fp32 partials summed by the reduce kernel, the bias added once."""
+    from engine.quant.triton_kernels import k_splits
+
+    gen = torch.Generator().manual_seed(11)
+    n, k, rows = 48, 1152, 3
+    assert k_splits(1, k, 128, torch.device("cpu"))[0] == 2
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    q8, f8, q4 = quantize_weight(w, 8, None), quantize_weight(w, 8, None, fp8=True), quantize_weight(w, 4, 128)
+    xd, bd = x.to(DEVICE), bias.to(DEVICE)
+    for q in (q8, f8):
+        got = w8a16_linear(xd, q.qweight.to(DEVICE), q.scales.to(DEVICE), bd, splits=splits)
+        want = x.double() @ q.dequantize().double().T + bias.double()
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got = w4a16_linear(xd, q4.qweight.to(DEVICE), q4.scales.to(DEVICE), q4.offsets.to(DEVICE), bd, splits=splits)
+    want = x.double() @ q4.dequantize().double().T + bias.double()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    xq, xs = quantize_rows_fp8(x)
+    got = w8a8_fp8_linear(xq.to(DEVICE), xs.to(DEVICE), f8.qweight.to(DEVICE), f8.scales.to(DEVICE), bd,
+                          out_dtype=torch.float32, splits=splits)
+    want = (xq.double() * xs.double()) @ f8.dequantize().double().T + bias.double()
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -3,8 +3,8 @@ sm_90 (H100/H200) with the ptxas Triton ships, on a machine without a GPU (tests
 
 Each launch is the one the engine's wrapper makes for the Llama-3-8B shape in bf16 at a 4k context,
 recorded from the wrapper itself and specialised on its arguments as Triton's JIT does on a device:
-decode at batch 64 and split at batch 1, a prefill chunk after a cached prefix, and each GEMM at each
-of `_w8a16_blocks`' tiles. The 8-bit KV kernels have their own file (test_triton_kvq_compiles.py).
+decode at batch 64 and split at batch 1, a prefill chunk after a cached prefix, each GEMM at each of
+`_w8a16_blocks`' tiles, and the weight-only GEMMs with K split at batch 1. The 8-bit KV kernels have their own file (test_triton_kvq_compiles.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ for rows in (16, 64, 128):  # the three tiles of _w8a16_blocks
     xq, xs = torch.zeros(rows, HIDDEN, dtype=torch.float8_e4m3fn), torch.ones(rows, 1)
     add(f"w8a8 fp8 m={rows}", lambda: w8a8_fp8_linear(xq, xs, torch.zeros(N, HIDDEN, dtype=torch.float8_e4m3fn),
                                                       scales))
+# Batch 1 on an H100 splits the qkv projection's K in 3 (k_splits; the CPU counts 4 multiprocessors, and
+# 96 tiles fill them): each kernel's split variant and the reduce kernel that sums the partials.
+x = torch.zeros(1, HIDDEN, dtype=BF)
+add("w8a16 int8 m=1 split", lambda: w8a16_linear(x, torch.zeros(N, HIDDEN, dtype=torch.int8), scales, splits=3))
+add("w4a16 m=1 split", lambda: w4a16_linear(x, torch.zeros(N, HIDDEN // 2, dtype=torch.uint8),
+                                            torch.ones(N, HIDDEN // 128, dtype=torch.float16),
+                                            torch.zeros(N, HIDDEN // 128, dtype=torch.float16), splits=3))
 (launch,) = record_launches(decode)
 print(json.dumps({"usage": out, "decode_divisible": sorted(divisible_args(launch))}))
 """
@@ -74,7 +81,7 @@ print(json.dumps({"usage": out, "decode_divisible": sorted(divisible_args(launch
 
 def test_bf16_attention_fused_ops_and_weight_gemms_compile_for_sm90():
     got = run_script(SCRIPT)
-    assert_no_spills(got["usage"], 20)
+    assert_no_spills(got["usage"], 24)
     # The compile is specialised as a device launch is: the cache's pointer and strides are marked
     # divisible by 16 (so K/V rows load as vectors); the sequence lengths, a scalar per program, too.
     assert {"kv_ptr", "q_ptr", "s_blk", "s_tok", "s_head", "s_kv", "lens_ptr"} <= set(got["decode_divisible"])
