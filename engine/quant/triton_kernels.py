@@ -133,17 +133,17 @@ def _split_k_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, S, s_om, HAS_BIAS: tl
     tl.store(out_ptr + m * s_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def k_splits(programs: int, k: int, step: int, device: torch.device) -> tuple[int, int]:
+def k_splits(programs: int, k: int, step: int, device: torch.device, most: int = 16) -> tuple[int, int]:
     """(splits, inputs per split, a multiple of `step`) for a GEMM launch of `programs` output tiles.
 
     Decode batches give the narrow projections fewer tiles than the GPU has multiprocessors (batch 1 on
     the 8B shape: 64 to 96 against 132), so most of them would stream no weight at all. Below one tile
     per multiprocessor K is split among programs (about two per multiprocessor, each summing at least
-    4 steps of K) and a second kernel adds the fp32 partials. Shapes alone decide, so a captured CUDA
-    graph keeps its split."""
+    4 steps of K, at most `most` splits) and a second kernel adds the fp32 partials. Shapes alone decide,
+    so a captured CUDA graph keeps its split."""
     sms = multiprocessors(device)
     steps = triton.cdiv(k, step)
-    splits = min(triton.cdiv(2 * sms, programs), steps // 4, 16) if programs < sms else 1
+    splits = min(triton.cdiv(2 * sms, programs), steps // 4, most, 16) if programs < sms else 1
     if splits < 2:
         return 1, k
     per_split = triton.cdiv(steps, splits) * step
@@ -180,10 +180,10 @@ class GemmLaunch:
 
 
 def _gemm_launch(x: torch.Tensor, n: int, step: int | None = None, out_dtype: torch.dtype | None = None,
-                 splits: int | None = None) -> GemmLaunch:
+                 splits: int | None = None, weight_bytes: float = 1.0) -> GemmLaunch:
     """x as rows [M, K] with unit stride, the [M, N] output (in x's dtype unless out_dtype), the tiles for M
     rows (_w8a16_blocks) and the split of K in steps of `step` (BLOCK_K unless given): k_splits', or
-    `splits` (tests, benches) when given."""
+    `splits` (tests, benches) when given. `weight_bytes`: the weight's bytes per element."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -192,7 +192,10 @@ def _gemm_launch(x: torch.Tensor, n: int, step: int | None = None, out_dtype: to
     step = step or bk
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if splits is None:
-        nsplit, per_split = k_splits(tiles, k, step, x.device) if m else (1, k)
+        # The partials, 4 bytes per output and split, written and read again, may add at most an eighth to
+        # the weight's bytes: a batch of 1 splits freely, 16 rows 2 to 4 ways, 64 rows not at all.
+        most = int(n * k * weight_bytes) // (64 * m * n) if m else 0
+        nsplit, per_split = k_splits(tiles, k, step, x.device, most)
     else:
         per_split = triton.cdiv(triton.cdiv(k, step), splits) * step
         nsplit = triton.cdiv(k, per_split)
@@ -258,7 +261,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, o
     """x [..., K] @ W^T for int4 W in engine.quant.quantizers' packed layout (qweight [N, K/2] uint8, fp16
     scales and offsets [N, K/G]), dequantized in registers a run of 32 inputs at a time."""
     runs = 4
-    g = _gemm_launch(x, qweight.shape[0], step=32 * runs, splits=splits)
+    g = _gemm_launch(x, qweight.shape[0], step=32 * runs, splits=splits, weight_bytes=0.5)
     if g.grid is not None:
         _w4a16_kernel[g.grid](g.x, qweight, scales, offsets, bias if bias is not None else scales, g.partials,
                               *g.out.shape, g.x.shape[1], g.per_split, g.x.shape[1] // scales.shape[1], g.x.stride(0),

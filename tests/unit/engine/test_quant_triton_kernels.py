@@ -160,9 +160,21 @@ def test_k_splits_fill_the_multiprocessors_only_when_the_tiles_do_not(monkeypatc
     assert triton_kernels.k_splits(64, 4096, 128, cpu) == (5, 896)
     assert triton_kernels.k_splits(64, 14336, 128, cpu) == (5, 2944)
     assert triton_kernels.k_splits(448, 4096, 128, cpu) == (1, 4096)
+    assert triton_kernels.k_splits(64, 4096, 128, cpu, most=4) == (4, 1024)  # o at 16 rows: partials capped
     for programs, k in ((96, 4096), (64, 4096), (64, 14336), (1, 1100)):
         splits, per = triton_kernels.k_splits(programs, k, 128, cpu)
         assert per % 128 == 0 and (splits - 1) * per < k <= splits * per  # every input in exactly one split
+
+
+def test_the_partials_of_a_split_add_at_most_an_eighth_to_the_weights_bytes(monkeypatch):
+    """8B o projection (4096 x 4096) on an H100: 1 row splits 5 ways, 16 rows 4 (int8) or 2 (int4), 64 none."""
+    from engine.quant import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "multiprocessors", lambda device: 132)
+    for rows, weight_bytes, want in ((1, 1.0, 5), (16, 1.0, 4), (16, 0.5, 2), (64, 1.0, 1)):
+        g = triton_kernels._gemm_launch(torch.zeros(rows, 4096), 4096, weight_bytes=weight_bytes)
+        assert g.grid[2] == want, (rows, weight_bytes)
+        assert 8 * want * rows * 4096 <= 4096 * 4096 * weight_bytes / 8 or want == 1
 
 
 @pytest.mark.parametrize("splits", [None, 3])
