@@ -194,8 +194,8 @@ def _gemm_launch(x: torch.Tensor, n: int, step: int | None = None, out_dtype: to
     if splits is None:
         # The partials, 4 bytes per output and split, written and read again, may add at most an eighth to
         # the weight's bytes: a batch of 1 splits freely, 16 rows 2 to 4 ways, 64 rows not at all.
-        most = int(n * k * weight_bytes) // (64 * m * n) if m else 0
-        nsplit, per_split = k_splits(tiles, k, step, x.device, most)
+        most = int(n * k * weight_bytes) // (64 * m * n) if m else 1
+        nsplit, per_split = k_splits(tiles, k, step, x.device, most) if m else (1, k)
     else:
         per_split = triton.cdiv(triton.cdiv(k, step), splits) * step
         nsplit = triton.cdiv(k, per_split)

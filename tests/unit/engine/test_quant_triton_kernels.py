@@ -177,6 +177,14 @@ def test_the_partials_of_a_split_add_at_most_an_eighth_to_the_weights_bytes(monk
         assert 8 * want * rows * 4096 <= 4096 * 4096 * weight_bytes / 8 or want == 1
 
 
+def test_gemms_of_no_rows_return_empty_outputs():
+    q = quantize_weight(torch.randn(48, 1152) * 0.05, 8, None)
+    q4 = quantize_weight(torch.randn(48, 1152) * 0.05, 4, 128)
+    x = torch.zeros(0, 1152, device=DEVICE)
+    assert w8a16_linear(x, q.qweight.to(DEVICE), q.scales.to(DEVICE)).shape == (0, 48)
+    assert w4a16_linear(x, q4.qweight.to(DEVICE), q4.scales.to(DEVICE), q4.offsets.to(DEVICE)).shape == (0, 48)
+
+
 @pytest.mark.parametrize("splits", [None, 3])
 def test_gemms_split_over_k_match_the_unsplit_products(splits):
     """K = 1152 in 3 splits of 384 (and, by default on the CPU's 4 'multiprocessors', k_splits' 2): each
