@@ -121,10 +121,10 @@ def check_linears(device: torch.device, dtype: torch.dtype, quick: bool = False)
                 # W8A16 kernel reads E4M3 codes too): the cost of keeping a layer's activations in bf16, which
                 # SmolLM2's perplexity asks for (docs/perf/gpu.md).
                 cases += [("fp8-triton", [functools.partial(_fp8_triton, c) for c in copies["fp8"]], want_fp8),
-                          ("fp8-w8a16", [functools.partial(_fp8_weight_only, c) for c in copies["fp8"]],
+                          ("fp8-w8a16", [functools.partial(_weight_only, c) for c in copies["fp8"]],
                            x.float() @ q8.dequantize().T),
                           # int8 with K never split (k_splits): what the split gains where tiles are few.
-                          ("int8-unsplit", [functools.partial(_int8_unsplit, c) for c in copies["int8"]], want_int8)]
+                          ("int8-unsplit", [functools.partial(_weight_only, c, splits=1) for c in copies["int8"]], want_int8)]
             for fmt, mods, want in (*cases, ("int8", copies["int8"], want_int8), ("int4", copies["int4"], want_int4)):
                 got = mods[0](x).float()
                 s = _time([functools.partial(mod, x) for mod in mods], device, 5 if quick else 50)
@@ -142,16 +142,11 @@ def _fp8_triton(layer, x: torch.Tensor) -> torch.Tensor:
     return w8a8_fp8_linear(xq, xs, layer.qweight, layer.scales, layer.bias)
 
 
-def _int8_unsplit(layer, x: torch.Tensor) -> torch.Tensor:
+def _weight_only(layer, x: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """The W8A16 kernel on an 8-bit layer's codes (int8 or E4M3); `splits` 1 keeps K whole."""
     from engine.quant.triton_kernels import w8a16_linear
 
-    return w8a16_linear(x, layer.qweight, layer.scales, layer.bias, splits=1)
-
-
-def _fp8_weight_only(layer, x: torch.Tensor) -> torch.Tensor:
-    from engine.quant.triton_kernels import w8a16_linear
-
-    return w8a16_linear(x, layer.qweight, layer.scales, layer.bias)
+    return w8a16_linear(x, layer.qweight, layer.scales, layer.bias, splits=splits)
 
 
 def engine_rows(name: str, path: Path, device: torch.device, dtype: str, dummy: bool, fmt: str, context: int,

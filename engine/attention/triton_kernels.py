@@ -138,9 +138,14 @@ def decode_splits(batch: int, kv_heads: int, max_blocks: int, pages: int, device
     chunks = triton.cdiv(max_blocks, pages)  # iterations a single program would run
     if programs >= 2 * sms or chunks < 2:
         return 1, max_blocks
-    splits = min(triton.cdiv(2 * sms, programs), chunks, 64)
-    per_split = triton.cdiv(chunks, splits) * pages
-    return triton.cdiv(max_blocks, per_split), per_split
+    return split_evenly(max_blocks, pages, min(triton.cdiv(2 * sms, programs), chunks, 64))
+
+
+def split_evenly(total: int, step: int, parts: int) -> tuple[int, int]:
+    """(parts, size of each): `total` items in at most `parts` runs of equal length, a multiple of `step`,
+    the last run shorter; fewer parts when rounding up to whole steps covers `total` sooner."""
+    size = triton.cdiv(triton.cdiv(total, step), parts) * step
+    return triton.cdiv(total, size), size
 
 
 def multiprocessors(device: torch.device) -> int:
@@ -225,8 +230,7 @@ def decode_launch(q: torch.Tensor, kv_heads: int, block_size: int, block_tables:
     if splits is None:
         splits, per_split = decode_splits(b, kv_heads, max_blocks, pages, q.device)
     else:
-        per_split = triton.cdiv(triton.cdiv(max_blocks, splits), pages) * pages
-        splits = triton.cdiv(max_blocks, per_split)
+        splits, per_split = split_evenly(max_blocks, pages, splits)
     d_pad = max(16, triton.next_power_of_2(d))
     if out is None:
         out = torch.empty_like(q)

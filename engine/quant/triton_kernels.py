@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import multiprocessors
+from engine.attention.triton_kernels import multiprocessors, split_evenly
 from engine.quant.quantizers import ACT_SCALE_MIN, FP8_MAX
 
 
@@ -137,17 +137,14 @@ def k_splits(programs: int, k: int, step: int, device: torch.device, most: int =
     """(splits, inputs per split, a multiple of `step`) for a GEMM launch of `programs` output tiles.
 
     Decode batches give the narrow projections fewer tiles than the GPU has multiprocessors (batch 1 on
-    the 8B shape: 64 to 96 against 132), so most of them would stream no weight at all. Below one tile
+    the 8B shape: 64 to 96 against 132), so a third to a half of them would stream no weight. Below one tile
     per multiprocessor K is split among programs (about two per multiprocessor, each summing at least
     4 steps of K, at most `most` splits) and a second kernel adds the fp32 partials. Shapes alone decide,
     so a captured CUDA graph keeps its split."""
     sms = multiprocessors(device)
     steps = triton.cdiv(k, step)
     splits = min(triton.cdiv(2 * sms, programs), steps // 4, most, 16) if programs < sms else 1
-    if splits < 2:
-        return 1, k
-    per_split = triton.cdiv(steps, splits) * step
-    return triton.cdiv(k, per_split), per_split
+    return split_evenly(k, step, splits) if splits > 1 else (1, k)
 
 
 @dataclass(frozen=True)
@@ -197,8 +194,7 @@ def _gemm_launch(x: torch.Tensor, n: int, step: int | None = None, out_dtype: to
         most = int(n * k * weight_bytes) // (64 * m * n) if m else 1
         nsplit, per_split = k_splits(tiles, k, step, x.device, most) if m else (1, k)
     else:
-        per_split = triton.cdiv(triton.cdiv(k, step), splits) * step
-        nsplit = triton.cdiv(k, per_split)
+        nsplit, per_split = split_evenly(k, step, splits)
     out = torch.empty(m, n, dtype=dtype, device=x.device)
     partials = torch.empty(nsplit, m, n, dtype=torch.float32, device=x.device) if nsplit > 1 else out
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), nsplit) if m else None
