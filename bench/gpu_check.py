@@ -207,6 +207,7 @@ def random_decode_batch(batch: int, heads: int, kv_heads: int, head_dim: int, le
 def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict:
     """The paged decode kernel's launch settings (blocks per iteration, warps, pipeline stages, split)
     timed on the decode shapes of the speed suites, each checked against the default launch."""
+    from bench.gpu_kv import quant_sweep  # the 8-bit KV kernels' launch settings
     from engine.attention.triton_kernels import paged_decode
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -221,28 +222,15 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
         scale = d**-0.5
         want = paged_decode(q, kv, tables, lens, scale).float()
         kv_bytes = 2 * b * length * kvh * d * kv.element_size()
-        rows = []
         # Pages per iteration, warps and stages set the registers and so the programs an SM can hold
         # (docs/perf/gpu.md); 2 warps hold too many registers from 4 pages up.
-        for pages, warps, stages, splits in itertools.product((1, 2, 4, 8), (4, 8), (2, 3), (None, 2)):
-            launch = functools.partial(paged_decode, q, kv, tables, lens, scale, splits=splits, pages=pages,
-                                       num_warps=warps, num_stages=stages)
-            try:
-                err = (launch().float() - want).abs().max().item()
-                ms, how = device_ms(launch) if device.type == "cuda" else (float("nan"), None)
-            except Exception as exc:  # a setting the compiler refuses (e.g. out of shared memory)
-                rows.append({"pages": pages, "warps": warps, "stages": stages, "splits": splits,
-                             "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                continue
-            rows.append({"pages": pages, "warps": warps, "stages": stages, "splits": splits, "us": ms * 1e3,
-                         "GBps": kv_bytes / (ms * 1e-3) / 1e9, "max_abs_error": err, "timing": how})
-        default_ms, how = device_ms(functools.partial(paged_decode, q, kv, tables, lens, scale)) \
-            if device.type == "cuda" else (float("nan"), None)
-        timed = [r for r in rows if "us" in r and not math.isnan(r["us"])]
-        results[label] = {"kv_bytes": kv_bytes, "default_us": default_ms * 1e3, "timing": how,
-                          "default_GBps": kv_bytes / (default_ms * 1e-3) / 1e9 if default_ms == default_ms else None,
-                          "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}
+        settings = [dict(pages=p, num_warps=w, num_stages=st, splits=sp)
+                    for p, w, st, sp in itertools.product((1, 2, 4, 8), (4, 8), (2, 3), (None, 2))]
+        launch = functools.partial(paged_decode, q, kv, tables, lens, scale)
+        results[label] = sweep_result(launch, time_variants(launch, settings, want, device, "GBps", kv_bytes / 1e9),
+                                      kv_bytes, device)
     results.update(prefill_sweep(device, dtype, gen, quick))
+    results.update(quant_sweep(device, dtype, gen, quick))
     return results
 
 
@@ -263,21 +251,44 @@ def prefill_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator
     want = paged_prefill(q, kv, [span], scale).float()
     # Causal: about half the score matrix; tokens/s is the figure the engine's prefill rows report.
     rows = []
-    for block_m, keys, warps in itertools.product((64, 128), (32, 64), (4, 8)):
-        launch = functools.partial(paged_prefill, q, kv, [span], scale, launch=prefill_launch([span], device, block_m),
-                                   num_warps=warps, keys=keys)
-        setting = {"block_m": block_m, "keys": keys, "warps": warps}
+    for block_m in (64, 128):
+        launch = functools.partial(paged_prefill, q, kv, [span], scale, launch=prefill_launch([span], device, block_m))
+        settings = [dict(keys=k, num_warps=w) for k, w in itertools.product((32, 64), (4, 8))]
+        rows += [{"block_m": block_m, **r} for r in time_variants(launch, settings, want, device, "tok_s", length)]
+    default = functools.partial(paged_prefill, q, kv, [span], scale, launch=prefill_launch([span], device, 64),
+                                num_warps=PREFILL_WARPS, keys=PREFILL_KEYS)
+    return {label: sweep_result(default, rows, None, device)}
+
+
+# A sweep's setting names as the report gives them: bench rows and docs say "warps" and "stages".
+SETTING_NAMES = {"num_warps": "warps", "num_stages": "stages"}
+
+
+def time_variants(launch, settings: list[dict], want: torch.Tensor, device: torch.device, rate: str,
+                  amount: float) -> list[dict]:
+    """One row per launch setting: `launch(**setting)` checked against `want` and, on CUDA, timed, with
+    `rate`: the `amount` a launch moves (GB, tokens) per second; a setting the compiler refuses (e.g. out
+    of shared memory) keeps its error instead."""
+    rows = []
+    for setting in settings:
+        row = {SETTING_NAMES.get(k, k): v for k, v in setting.items()}
+        call = functools.partial(launch, **setting)
         try:
-            err = (launch().float() - want).abs().max().item()
-            ms, how = device_ms(launch) if device.type == "cuda" else (float("nan"), None)
-        except Exception as exc:  # a setting the compiler refuses (e.g. out of shared memory)
-            rows.append({**setting, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            err = (call().float() - want).abs().max().item()
+            ms, how = device_ms(call) if device.type == "cuda" else (float("nan"), None)
+        except Exception as exc:
+            rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
-        rows.append({**setting, "us": ms * 1e3, "tok_s": length / (ms * 1e-3), "max_abs_error": err, "timing": how})
-    default = next(r for r in rows if (r["block_m"], r["keys"], r["warps"]) == (64, PREFILL_KEYS, PREFILL_WARPS))
+        rows.append({**row, "us": ms * 1e3, rate: amount / (ms * 1e-3), "max_abs_error": err, "timing": how})
+    return rows
+
+
+def sweep_result(default, rows: list[dict], kv_bytes: int | None, device: torch.device) -> dict:
+    """A sweep's entry in the report: the engine's default launch timed beside the variants, and the fastest."""
+    ms, how = device_ms(default) if device.type == "cuda" else (float("nan"), None)
     timed = [r for r in rows if "us" in r and not math.isnan(r["us"])]
-    return {label: {"default_us": default.get("us", float("nan")), "default_GBps": None,
-                    "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}}
+    return {"kv_bytes": kv_bytes, "default_us": ms * 1e3, "timing": how,
+            "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}
 
 
 # ---- 2. engine against HF transformers ----------------------------------------------------------
@@ -665,8 +676,9 @@ def print_report(report: dict) -> None:
             best = sw["best"] or {}
             settings = " ".join(f"{k}={v}" for k, v in best.items() if k in ("pages", "warps", "stages", "splits",
                                                                                "block_m", "keys"))
-            print(f"decode sweep {label}: default {sw['default_us']:.0f}us ({sw['default_GBps'] or 0:.0f} GB/s); best "
-                  f"{best.get('us', float('nan')):.0f}us ({best.get('GBps', 0):.0f} GB/s) with {settings}")
+            bw = f" ({sw['kv_bytes'] / sw['default_us'] / 1e3:.0f} GB/s)" if sw.get("kv_bytes") else ""
+            print(f"sweep {label}: default {sw['default_us']:.0f}us{bw}; best {best.get('us', float('nan')):.0f}us "
+                  f"({sw['default_us'] / best.get('us', float('nan')):.2f}x the default) with {settings}")
     kernels = report.get("compiled_kernels") or []
     if kernels:
         most = max(kernels, key=lambda r: r["registers"])

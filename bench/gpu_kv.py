@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import time
@@ -132,7 +133,6 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
     (triton_kernels.paged_decode) against int8 and fp8 (triton_kvq.paged_decode_quant), each checked
     against bf16, timed on CUDA, with GB/s and the roofline share on the bytes each one reads."""
     from bench.gpu_check import device_ms, in_turn, l2_copies, random_decode_batch
-    from engine.attention.kv_int8 import Int8KVCache, write_int8
     from engine.attention.triton_kernels import paged_decode
     from engine.attention.triton_kvq import paged_decode_quant
 
@@ -143,9 +143,7 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
     rows = []
     for batch, context in shapes:
         q, kv, tables, lens = random_decode_batch(batch, h, kvh, d, context, bs, device, dtype, gen)
-        nb = kv.shape[1]
         want = paged_decode(q, kv, tables, lens, d**-0.5).float()
-        slots = torch.arange(nb * bs, device=device)
         row_bytes = {"bf16": kv.element_size() * d, "int8": d + 2, "fp8": d}
         for fmt in ("bf16", "int8", "fp8"):
             if fmt == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -157,9 +155,8 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
                     launches.append(functools.partial(paged_decode, q, kv if i == 0 else kv.clone(), tables, lens,
                                                       d**-0.5))
                     continue
-                cache = Int8KVCache.allocate(nb, bs, kvh, d, 0, 1, dtype, device, fmt)
-                write_int8(cache, kv[0].reshape(-1, kvh, d), kv[1].reshape(-1, kvh, d), slots)
-                launches.append(functools.partial(paged_decode_quant, q, cache, tables, lens, d**-0.5))
+                launches.append(functools.partial(paged_decode_quant, q, quant_cache(kv, fmt), tables, lens,
+                                                  d**-0.5))
             err = (launches[0]().float() - want).abs().max().item()
             us, how = float("nan"), None
             if device.type == "cuda":
@@ -172,6 +169,56 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
                          "max_abs_error_vs_bf16": err})
             del launches
     return {"rows": rows}
+
+
+def quant_cache(kv: torch.Tensor, fmt: str):
+    """An Int8KVCache in `fmt` holding the codes of a [2, blocks, bs, kvh, d] pool's every row."""
+    from engine.attention.kv_int8 import Int8KVCache, write_int8
+
+    _, nb, bs, kvh, d = kv.shape
+    cache = Int8KVCache.allocate(nb, bs, kvh, d, 0, 1, kv.dtype, kv.device, fmt)
+    write_int8(cache, kv[0].reshape(-1, kvh, d), kv[1].reshape(-1, kvh, d), torch.arange(nb * bs, device=kv.device))
+    return cache
+
+
+def quant_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, quick: bool = False) -> dict:
+    """The 8-bit KV kernels' launch settings, as bench.gpu_check's decode_sweep times bf16's: decode at issue
+    #45's fp8 target shape (8B, batch 64, 4k context) over keys per iteration, warps and pipeline stages, and
+    prefill of one 4k prompt over keys per iteration and warps; each checked against the default launch.
+    Both run without the full-precision window (kv_fp_window 0, the default)."""
+    from bench.gpu_check import random_decode_batch, sweep_result, time_variants
+    from engine.attention.metadata import PrefillSpan
+    from engine.attention.triton_kvq import paged_decode_quant, paged_prefill_quant, quant_prefill_launch
+
+    h, kvh, d, bs = (4, 2, 32, 16) if quick else (32, 8, 128, 16)
+    batch, context, shape = (4, 100, "tiny") if quick else (64, 4096, "llama3-8b")
+    q, kv, tables, lens = random_decode_batch(batch, h, kvh, d, context, bs, device, dtype, gen)
+    prompt = torch.randn(context, h, d, generator=gen).to(device, dtype)
+    span = PrefillSpan(token_start=0, num_tokens=context, num_cached=0, block_table=tables[0])
+    scale = d**-0.5
+    results = {}
+    for fmt in ("int8", "fp8"):
+        if fmt == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            continue
+        cache = quant_cache(kv, fmt)
+        kv_bytes = 2 * batch * context * kvh * (d + 2 if fmt == "int8" else d)
+        want = paged_decode_quant(q, cache, tables, lens, scale).float()
+        # 2 warps hold more registers than 4 or 8 at every width (tests/unit/engine/test_triton_kvq_compiles.py).
+        settings = [dict(pages=p, num_warps=w, num_stages=st)
+                    for p, w, st in itertools.product((1, 2, 4, 8), (4, 8), (2, 3))]
+        launch = functools.partial(paged_decode_quant, q, cache, tables, lens, scale)
+        results[f"{fmt} {shape} b={batch} {context}"] = sweep_result(
+            launch, time_variants(launch, settings, want, device, "GBps", kv_bytes / 1e9), kv_bytes, device)
+        want = paged_prefill_quant(prompt, cache, [span], scale).float()
+        # The span's tables built once, as the engine does per step: a launch that copies them to the device
+        # cannot be captured in the timing graph.
+        launch = functools.partial(paged_prefill_quant, prompt, cache, [span], scale,
+                                   launch=quant_prefill_launch([span], device))
+        settings = [dict(keys=k, num_warps=w) for k, w in itertools.product((32, 64), (4, 8))]
+        results[f"prefill {fmt} {shape} {context}"] = sweep_result(
+            launch, time_variants(launch, settings, want, device, "tok_s", context), None, device)
+        del cache
+    return results
 
 
 def kv_formats(device: torch.device, bandwidth: float, quick: bool = False, smollm2: Path | None = None) -> dict:

@@ -262,10 +262,11 @@ def quant_prefill_launch(spans, device: torch.device, win: KVWindowMetadata | No
 def paged_prefill_quant(q: torch.Tensor, cache: Int8KVCache, spans, scale: float, k: torch.Tensor | None = None,
                         v: torch.Tensor | None = None, win: KVWindowMetadata | None = None,
                         launch: QuantPrefillLaunch | None = None, out: torch.Tensor | None = None,
-                        block_m: int | None = None) -> torch.Tensor:
+                        block_m: int | None = None, num_warps: int = PREFILL_WARPS,
+                        keys: int = PREFILL_KEYS) -> torch.Tensor:
     """triton_kernels.paged_prefill over an 8-bit cache whose pool already holds the spans' rows. With a
     window, `k`/`v` are the step's full-precision rows [T, KVH, D] and the ring must not hold this step's
-    rows yet."""
+    rows yet. `num_warps` and `keys` (read per iteration) are for bench.gpu_check's sweep."""
     _, h, d = q.shape
     values = cache.values
     _, _, bs, kvh, _ = values.shape
@@ -283,7 +284,7 @@ def paged_prefill_quant(q: torch.Tensor, cache: Int8KVCache, spans, scale: float
         s_sckv, s_scblk, s_sctok, out.stride(0), out.stride(1), base.tables.stride(0), base.segs.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), *rs,
         G=h // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)), BS=bs, BLOCK_M=base.block_m,
-        PAGES=max(1, PREFILL_KEYS // bs), NSEG_PAD=base.nseg_pad, PER_ROW=not cache.is_fp8, W=w,
-        PRECISION=_precision(q), num_warps=PREFILL_WARPS,
+        PAGES=max(1, keys // bs), NSEG_PAD=base.nseg_pad, PER_ROW=not cache.is_fp8, W=w,
+        PRECISION=_precision(q), num_warps=num_warps,
     )
     return out

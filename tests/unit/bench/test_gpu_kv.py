@@ -51,3 +51,30 @@ def test_kv_formats_dry_run_on_the_cpu():
     # Both 8-bit kernels against the bf16 kernel on the same K/V: the quantization error, and no more.
     assert 0 < kernels[1]["max_abs_error_vs_bf16"] < 0.05 and 0 < kernels[2]["max_abs_error_vs_bf16"] < 0.2
     assert kernels[2]["kv_bytes"] < kernels[1]["kv_bytes"] < kernels[0]["kv_bytes"] / 3
+
+
+@pytest.mark.slow
+def test_launch_sweeps_dry_run_on_the_cpu(capsys):
+    from bench.gpu_check import decode_sweep, print_report
+
+    result = decode_sweep(torch.device("cpu"), torch.float32, quick=True)
+    counts = {label: len(sweep["variants"]) for label, sweep in result.items()}
+    # bf16 decode: pages x warps x stages x split; prefill: tile rows x keys x warps; the 8-bit decode:
+    # pages x warps x stages, and its prefill keys x warps, for each format.
+    assert counts == {"tiny b=4": 32, "prefill tiny": 8, "int8 tiny b=4 100": 16, "prefill int8 tiny 100": 4,
+                      "fp8 tiny b=4 100": 16, "prefill fp8 tiny 100": 4}
+    for label, sweep in result.items():
+        for row in sweep["variants"]:
+            # Every setting computes what the default launch does (fp32: the same sums in another order).
+            assert "error" not in row and row["max_abs_error"] < 1e-5, (label, row)
+        assert math.isnan(sweep["default_us"]) and sweep["best"] is None  # nothing is timed on the CPU
+    assert {("pages", "warps", "stages")} == {tuple(k for k in row if k in ("pages", "warps", "stages"))
+                                              for row in result["fp8 tiny b=4 100"]["variants"]}
+    # The report line a device run prints per sweep: the best launch against the engine's default.
+    timed = {**result["fp8 tiny b=4 100"], "default_us": 120.0, "kv_bytes": 60_000_000}
+    timed["best"] = {**timed["variants"][5], "us": 80.0}
+    print_report({"device": "test", "torch": "", "triton": "", "copy_bandwidth_GBps": 1.0, "date": "",
+                  "decode_sweep": {"fp8 tiny b=4 100": timed}})
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sweep fp8"))
+    assert line == ("sweep fp8 tiny b=4 100: default 120us (500 GB/s); best 80us (1.50x the default) with "
+                    f"pages={timed['best']['pages']} warps={timed['best']['warps']} stages={timed['best']['stages']}")
