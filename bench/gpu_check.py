@@ -673,12 +673,15 @@ def print_report(report: dict) -> None:
                       f"{t['kernel'][:40]} x{t['calls_per_step']:.0f} {t['us_per_step']:.0f}us" for t in kb["top"][:6]))
     for label, sw in (report.get("decode_sweep") or {}).items():
         if isinstance(sw, dict) and "default_us" in sw:
-            best = sw["best"] or {}
+            best = sw["best"]
+            if best is None:
+                print(f"sweep {label}: {len(sw['variants'])} settings checked, none timed (no CUDA device)")
+                continue
             settings = " ".join(f"{k}={v}" for k, v in best.items() if k in ("pages", "warps", "stages", "splits",
                                                                                "block_m", "keys"))
             bw = f" ({sw['kv_bytes'] / sw['default_us'] / 1e3:.0f} GB/s)" if sw.get("kv_bytes") else ""
-            print(f"sweep {label}: default {sw['default_us']:.0f}us{bw}; best {best.get('us', float('nan')):.0f}us "
-                  f"({sw['default_us'] / best.get('us', float('nan')):.2f}x the default) with {settings}")
+            print(f"sweep {label}: default {sw['default_us']:.0f}us{bw}; best {best['us']:.0f}us "
+                  f"({sw['default_us'] / best['us']:.2f}x the default) with {settings}")
     kernels = report.get("compiled_kernels") or []
     if kernels:
         most = max(kernels, key=lambda r: r["registers"])

@@ -74,7 +74,8 @@ def test_launch_sweeps_dry_run_on_the_cpu(capsys):
     timed = {**result["fp8 tiny b=4 100"], "default_us": 120.0, "kv_bytes": 60_000_000}
     timed["best"] = {**timed["variants"][5], "us": 80.0}
     print_report({"device": "test", "torch": "", "triton": "", "copy_bandwidth_GBps": 1.0, "date": "",
-                  "decode_sweep": {"fp8 tiny b=4 100": timed}})
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sweep fp8"))
-    assert line == ("sweep fp8 tiny b=4 100: default 120us (500 GB/s); best 80us (1.50x the default) with "
-                    f"pages={timed['best']['pages']} warps={timed['best']['warps']} stages={timed['best']['stages']}")
+                  "decode_sweep": {"fp8 tiny b=4 100": timed, "int8 tiny b=4 100": result["int8 tiny b=4 100"]}})
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sweep ")]
+    assert lines == ["sweep fp8 tiny b=4 100: default 120us (500 GB/s); best 80us (1.50x the default) with "
+                     f"pages={timed['best']['pages']} warps={timed['best']['warps']} stages={timed['best']['stages']}",
+                     "sweep int8 tiny b=4 100: 16 settings checked, none timed (no CUDA device)"]
