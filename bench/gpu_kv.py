@@ -203,7 +203,7 @@ def quant_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, 
         cache = quant_cache(kv, fmt)
         kv_bytes = 2 * batch * context * kvh * (d + 2 if fmt == "int8" else d)
         want = paged_decode_quant(q, cache, tables, lens, scale).float()
-        # 2 warps hold more registers than 4 or 8 at every width (tests/unit/engine/test_triton_kvq_compiles.py).
+        # The bf16 sweep's keys, warps and stages (docs/perf/gpu.md gives the registers of each).
         settings = [dict(pages=p, num_warps=w, num_stages=st)
                     for p, w, st in itertools.product((1, 2, 4, 8), (4, 8), (2, 3))]
         launch = functools.partial(paged_decode_quant, q, cache, tables, lens, scale)
