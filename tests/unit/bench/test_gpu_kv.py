@@ -70,6 +70,8 @@ def test_launch_sweeps_dry_run_on_the_cpu(capsys):
         assert math.isnan(sweep["default_us"]) and sweep["best"] is None  # nothing is timed on the CPU
     assert {("pages", "warps", "stages")} == {tuple(k for k in row if k in ("pages", "warps", "stages"))
                                               for row in result["fp8 tiny b=4 100"]["variants"]}
+    prefill = {(r["block_m"], r["keys"], r["warps"]) for r in result["prefill tiny"]["variants"]}
+    assert len(prefill) == 8 and (64, 64, 4) in prefill  # the engine's launch is among them
     # The report line a device run prints per sweep: the best launch against the engine's default.
     timed = {**result["fp8 tiny b=4 100"], "default_us": 120.0, "kv_bytes": 60_000_000}
     timed["best"] = {**timed["variants"][5], "us": 80.0}
