@@ -161,9 +161,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Two pipeline stages, not Triton's three: on sm_90 the decode kernel then holds 112 registers instead of 145
-# (Triton 3.6), four programs per multiprocessor instead of three; the device's sweep timed it 1.25x faster
-# at batch 64 (docs/perf/gpu.md). The 8-bit kernels' counts do not change with it, so they keep the default.
+# Two pipeline stages, not Triton's three: on sm_90 the decode kernel then holds fewer registers, so a
+# multiprocessor keeps four programs instead of three (registers and timings: docs/perf/gpu.md). The 8-bit
+# kernels' counts do not change with it, so they keep the default.
 DECODE_STAGES = 2
 
 
