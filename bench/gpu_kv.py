@@ -128,6 +128,12 @@ def perplexity_rows(path: Path | None, device: torch.device, dtype: str, tokens:
     return rows
 
 
+def row_bytes(fmt: str, head_dim: int, element_size: int) -> int:
+    """Bytes a decode kernel reads per cached K or V row of one KV head: int8 codes carry an fp16 scale each,
+    fp8's scales are per layer and head."""
+    return {"bf16": element_size * head_dim, "int8": head_dim + 2, "fp8": head_dim}[fmt]
+
+
 def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) -> dict:
     """The paged decode kernels alone on the 8B shape's attention (32 heads, 8 KV heads of 128): bf16
     (triton_kernels.paged_decode) against int8 and fp8 (triton_kvq.paged_decode_quant), each checked
@@ -144,11 +150,10 @@ def decode_kernels(device: torch.device, bandwidth: float, quick: bool = False) 
     for batch, context in shapes:
         q, kv, tables, lens = random_decode_batch(batch, h, kvh, d, context, bs, device, dtype, gen)
         want = paged_decode(q, kv, tables, lens, d**-0.5).float()
-        row_bytes = {"bf16": kv.element_size() * d, "int8": d + 2, "fp8": d}
         for fmt in ("bf16", "int8", "fp8"):
             if fmt == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
                 continue
-            nbytes = 2 * batch * context * kvh * row_bytes[fmt]
+            nbytes = 2 * batch * context * kvh * row_bytes(fmt, d, kv.element_size())
             launches = []  # over copies of the cache, so that a graph's back-to-back launches read HBM, not L2
             for i in range(l2_copies(device, nbytes)):
                 if fmt == "bf16":
@@ -201,7 +206,7 @@ def quant_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, 
         if fmt == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             continue
         cache = quant_cache(kv, fmt)
-        kv_bytes = 2 * batch * context * kvh * (d + 2 if fmt == "int8" else d)
+        kv_bytes = 2 * batch * context * kvh * row_bytes(fmt, d, kv.element_size())
         want = paged_decode_quant(q, cache, tables, lens, scale).float()
         # The bf16 sweep's keys, warps and stages (docs/perf/gpu.md gives the registers of each).
         settings = [dict(pages=p, num_warps=w, num_stages=st)
