@@ -205,8 +205,8 @@ def random_decode_batch(batch: int, heads: int, kv_heads: int, head_dim: int, le
 
 
 def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict:
-    """The paged decode kernel's launch settings (blocks per iteration, warps, pipeline stages, split)
-    timed on the decode shapes of the speed suites, each checked against the default launch."""
+    """The paged decode kernel's launch settings (blocks per iteration, warps, pipeline stages, split, the
+    query group's rows) timed on the decode shapes of the speed suites, each checked against the default launch."""
     from bench.gpu_kv import quant_sweep  # the 8-bit KV kernels' launch settings
     from engine.attention.triton_kernels import paged_decode
 
@@ -226,6 +226,9 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
         # (docs/perf/gpu.md); 2 warps hold too many registers from 4 pages up.
         settings = [dict(pages=p, num_warps=w, num_stages=st, splits=sp)
                     for p, w, st, sp in itertools.product((1, 2, 4, 8), (4, 8), (2, 3), (None, 2))]
+        # The query group padded to 16 rows, as before group_rows: beside the default's own-size rows.
+        settings += [dict(pages=p, num_warps=w, num_stages=2, group_rows=16)
+                     for p, w in itertools.product((2, 4, 8), (4, 8))]
         launch = functools.partial(paged_decode, q, kv, tables, lens, scale)
         results[label] = sweep_result(launch, time_variants(launch, settings, want, device, "GBps", kv_bytes / 1e9),
                                       kv_bytes, device)
@@ -678,7 +681,7 @@ def print_report(report: dict) -> None:
                 print(f"sweep {label}: {len(sw['variants'])} settings checked, none timed (no CUDA device)")
                 continue
             settings = " ".join(f"{k}={v}" for k, v in best.items() if k in ("pages", "warps", "stages", "splits",
-                                                                               "block_m", "keys"))
+                                                                               "group_rows", "block_m", "keys"))
             bw = f" ({sw['kv_bytes'] / sw['default_us'] / 1e3:.0f} GB/s)" if sw.get("kv_bytes") else ""
             print(f"sweep {label}: default {sw['default_us']:.0f}us{bw}; best {best['us']:.0f}us "
                   f"({sw['default_us'] / best['us']:.2f}x the default) with {settings}")

@@ -188,8 +188,9 @@ def quant_cache(kv: torch.Tensor, fmt: str):
 
 def quant_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, quick: bool = False) -> dict:
     """The 8-bit KV kernels' launch settings, as bench.gpu_check's decode_sweep times bf16's: decode at issue
-    #45's fp8 target shape (8B, batch 64, 4k context) over keys per iteration, warps and pipeline stages, and
-    prefill of one 4k prompt over keys per iteration and warps; each checked against the default launch.
+    #45's fp8 target shape (8B, batch 64, 4k context) over keys per iteration, warps and pipeline stages,
+    and with the query group padded to 16 rows (as before group_rows); prefill of one 4k prompt over keys
+    per iteration and warps; each checked against the default launch.
     Both run without the full-precision window (kv_fp_window 0, the default)."""
     from bench.gpu_check import random_decode_batch, sweep_result, time_variants
     from engine.attention.metadata import PrefillSpan
@@ -211,6 +212,7 @@ def quant_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator, 
         # The bf16 sweep's keys, warps and stages (docs/perf/gpu.md gives the registers of each).
         settings = [dict(pages=p, num_warps=w, num_stages=st)
                     for p, w, st in itertools.product((1, 2, 4, 8), (4, 8), (2, 3))]
+        settings += [dict(pages=p, num_warps=w, group_rows=16) for p, w in itertools.product((2, 4), (4, 8))]
         launch = functools.partial(paged_decode_quant, q, cache, tables, lens, scale)
         results[f"{fmt} {shape} b={batch} {context}"] = sweep_result(
             launch, time_variants(launch, settings, want, device, "GBps", kv_bytes / 1e9), kv_bytes, device)

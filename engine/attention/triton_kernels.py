@@ -170,17 +170,19 @@ DECODE_STAGES = 2
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, splits: int | None = None, pages: int | None = None,
                  out: torch.Tensor | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, group_rows: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; kv_cache: [2, num_blocks, BS, KVH, D]; block_tables: [B, max_blocks]; returns [B, H, D]
-    (written into `out` when given: a [B, H, D] view with unit stride in D). `num_warps` and
-    `num_stages` override the launch defaults (Triton's warps, DECODE_STAGES) for bench.gpu_check's sweep.
+    (written into `out` when given: a [B, H, D] view with unit stride in D). `num_warps`, `num_stages`
+    and `group_rows` override the launch defaults (Triton's warps, DECODE_STAGES, group_rows(G)) for
+    bench.gpu_check's sweep.
 
     `splits` (programs per sequence and KV head, at most) and `pages` (blocks per iteration) are for
     tests; None picks them from the shapes.
     """
     b = q.shape[0]
     _, _, bs, kvh, _ = kv_cache.shape
-    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, 64 // bs), splits, out)  # 64 keys an iteration
+    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, 64 // bs), splits, out,  # 64 keys an iteration
+                           group_rows)
     _decode_kernel[(b, kvh, launch.splits)](
         q, kv_cache, block_tables, seq_lens, launch.out, launch.partials, launch.ml, scale, launch.per_split,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -200,6 +202,7 @@ class DecodeLaunch:
     pages: int  # blocks per iteration
     block_size: int
     group: int  # query heads per KV head
+    group_rows: int  # the rows they fill in the kernels' dot products (G_PAD)
     head_dim: int
     d_pad: int
     out: torch.Tensor
@@ -209,7 +212,7 @@ class DecodeLaunch:
     @property
     def constants(self) -> dict[str, int | bool]:
         """The decode kernels' shared constexprs."""
-        return dict(G=self.group, G_PAD=max(16, triton.next_power_of_2(self.group)), D=self.head_dim,
+        return dict(G=self.group, G_PAD=self.group_rows, D=self.head_dim,
                     D_PAD=self.d_pad, BS=self.block_size, PAGES=self.pages, SPLIT=self.splits > 1)
 
     def finish(self) -> torch.Tensor:
@@ -222,9 +225,18 @@ class DecodeLaunch:
         return self.out
 
 
+def group_rows(group: int) -> int:
+    """The rows a KV head's query group fills in the decode kernels' dot products: the next power of two.
+    tl.dot pads fewer than 16 rows to the tensor cores' shape itself, so the kernel need not: compiled
+    for sm_90 the same MMA instructions then take less shared memory and, under the device's Triton,
+    fewer registers (docs/perf/gpu.md; bench.gpu_check's sweep times 16 rows beside it)."""
+    return triton.next_power_of_2(group)
+
+
 def decode_launch(q: torch.Tensor, kv_heads: int, block_size: int, block_tables: torch.Tensor, pages: int,
-                  splits: int | None, out: torch.Tensor | None) -> DecodeLaunch:
-    """The split (decode_splits' unless a test names one), the checked output and the partials' buffers."""
+                  splits: int | None, out: torch.Tensor | None, rows: int | None = None) -> DecodeLaunch:
+    """The split (decode_splits' unless a test names one), the checked output, the partials' buffers and
+    the group's rows (group_rows' unless the sweep names them)."""
     b, h, d = q.shape
     max_blocks = block_tables.shape[1]
     if splits is None:
@@ -241,7 +253,12 @@ def decode_launch(q: torch.Tensor, kv_heads: int, block_size: int, block_tables:
         ml = torch.empty(b * h * splits, 2, dtype=torch.float32, device=q.device)
     else:
         partials = ml = out  # unused
-    return DecodeLaunch(splits, per_split, pages, block_size, h // kv_heads, d, d_pad, out, partials, ml)
+    group = h // kv_heads
+    if rows is not None and (rows < group or rows & (rows - 1)):
+        raise ValueError(f"paged decode: a group of {group} query heads takes a power of two rows, at least "
+                         f"{group}; got {rows}")
+    return DecodeLaunch(splits, per_split, pages, block_size, group, rows or group_rows(group), d, d_pad, out,
+                        partials, ml)
 
 
 def _launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:

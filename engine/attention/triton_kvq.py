@@ -131,12 +131,13 @@ def _scale_strides(cache: Int8KVCache) -> tuple[int, int, int]:
 def paged_decode_quant(q: torch.Tensor, cache: Int8KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        scale: float, win: KVWindowMetadata | None = None, splits: int | None = None,
                        pages: int | None = None, out: torch.Tensor | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None) -> torch.Tensor:
+                       num_stages: int | None = None, group_rows: int | None = None) -> torch.Tensor:
     """triton_kernels.paged_decode over an 8-bit cache (and its ring, given the step's window metadata)."""
     values = cache.values
     b = q.shape[0]
     _, _, bs, kvh, _ = values.shape
-    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, 64 // bs), splits, out)  # 64 keys an iteration
+    launch = decode_launch(q, kvh, bs, block_tables, pages or max(1, 64 // bs), splits, out,  # 64 keys an iteration
+                           group_rows)
     ring, rs, w = _ring_args(cache, win, q)
     wslot = win.decode_slots if win is not None else seq_lens
     wlo = win.decode_lo if win is not None else seq_lens

@@ -59,25 +59,27 @@ def test_launch_sweeps_dry_run_on_the_cpu(capsys):
 
     result = decode_sweep(torch.device("cpu"), torch.float32, quick=True)
     counts = {label: len(sweep["variants"]) for label, sweep in result.items()}
-    # bf16 decode: pages x warps x stages x split; prefill: tile rows x keys x warps; the 8-bit decode:
-    # pages x warps x stages, and its prefill keys x warps, for each format.
-    assert counts == {"tiny b=4": 32, "prefill tiny": 8, "int8 tiny b=4 100": 16, "prefill int8 tiny 100": 4,
-                      "fp8 tiny b=4 100": 16, "prefill fp8 tiny 100": 4}
+    # bf16 decode: pages x warps x stages x split, and 6 with the group padded to 16 rows; prefill: tile rows
+    # x keys x warps; the 8-bit decode: pages x warps x stages and 4 padded, and its prefill keys x warps.
+    assert counts == {"tiny b=4": 38, "prefill tiny": 8, "int8 tiny b=4 100": 20, "prefill int8 tiny 100": 4,
+                      "fp8 tiny b=4 100": 20, "prefill fp8 tiny 100": 4}
+    padded = [r for r in result["int8 tiny b=4 100"]["variants"] if r.get("group_rows") == 16]
+    assert len(padded) == 4 and all(r["max_abs_error"] < 1e-5 for r in padded)
     for label, sweep in result.items():
         for row in sweep["variants"]:
             # Every setting computes what the default launch does (fp32: the same sums in another order).
             assert "error" not in row and row["max_abs_error"] < 1e-5, (label, row)
         assert math.isnan(sweep["default_us"]) and sweep["best"] is None  # nothing is timed on the CPU
-    assert {("pages", "warps", "stages")} == {tuple(k for k in row if k in ("pages", "warps", "stages"))
-                                              for row in result["fp8 tiny b=4 100"]["variants"]}
+    assert {("pages", "warps", "stages"), ("pages", "warps")} == {
+        tuple(k for k in row if k in ("pages", "warps", "stages")) for row in result["fp8 tiny b=4 100"]["variants"]}
     prefill = {(r["block_m"], r["keys"], r["warps"]) for r in result["prefill tiny"]["variants"]}
     assert len(prefill) == 8 and (64, 64, 4) in prefill  # the engine's launch is among them
     # The report line a device run prints per sweep: the best launch against the engine's default.
     timed = {**result["fp8 tiny b=4 100"], "default_us": 120.0, "kv_bytes": 60_000_000}
-    timed["best"] = {**timed["variants"][5], "us": 80.0}
+    timed["best"] = {**timed["variants"][-1], "us": 80.0}  # a padded row: its group_rows is named
     print_report({"device": "test", "torch": "", "triton": "", "copy_bandwidth_GBps": 1.0, "date": "",
                   "decode_sweep": {"fp8 tiny b=4 100": timed, "int8 tiny b=4 100": result["int8 tiny b=4 100"]}})
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sweep ")]
     assert lines == ["sweep fp8 tiny b=4 100: default 120us (500 GB/s); best 80us (1.50x the default) with "
-                     f"pages={timed['best']['pages']} warps={timed['best']['warps']} stages={timed['best']['stages']}",
-                     "sweep int8 tiny b=4 100: 16 settings checked, none timed (no CUDA device)"]
+                     f"pages={timed['best']['pages']} warps={timed['best']['warps']} group_rows=16",
+                     "sweep int8 tiny b=4 100: 20 settings checked, none timed (no CUDA device)"]

@@ -81,9 +81,15 @@ def divisible_args(launch: Launch) -> set[str]:
     return {names[path[0]] for path, marks in attrs.items() if ["tt.divisibility", 16] in marks}
 
 
+# SASS opcodes compile_sm90 counts: tensor-core products, and the fp32 multiplies and special-function
+# (exp) instructions of an online softmax.
+COUNTED_OPS = ("HMMA", "FMUL", "MUFU")
+
+
 def compile_sm90(launch: Launch) -> dict:
-    """{"registers", "stack", "local", "warps", "shared"} of `launch` compiled for sm_90 as specialise() describes
-    it; "shared" is the bytes of shared memory a program takes (pipelined loads stage there)."""
+    """{"registers", "stack", "local", "warps", "shared", "ops"} of `launch` compiled for sm_90 as specialise()
+    describes it; "shared" is the bytes of shared memory a program takes (pipelined loads stage there),
+    "ops" the count of each COUNTED_OPS opcode in its SASS."""
     import triton
     from triton.compiler import ASTSource
 
@@ -97,9 +103,11 @@ def compile_sm90(launch: Launch) -> dict:
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                               check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs, stack, _, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text).groups())
+    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
     return {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps,
-            "shared": kernel.metadata.shared}
+            "shared": kernel.metadata.shared, "ops": {op: opcodes.count(op) for op in COUNTED_OPS}}
 
 
 def compile_step(step) -> dict[str, dict]:

@@ -153,6 +153,40 @@ def test_decode_splits_fill_the_device_only_when_needed():
     assert decode_splits(1, 2, 3, 4, cpu) == (1, 3)  # one iteration's worth of blocks: nothing to split
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (6, 2), (8, 2), (16, 2)])
+@pytest.mark.parametrize("rows", [None, 16])
+def test_decode_groups_in_their_own_rows_or_padded_to_16_match_dense(heads, kv_heads, rows):
+    """Each KV head's query group fills group_rows(G) rows of the kernel's dot products (1, 4, 4, 8 here)
+    by default; 16 (the earlier padding, which the device sweep times beside it) gives the same result.
+    Split, so the partials' rows of every group are checked too."""
+    import torch.nn.functional as F
+
+    from engine.attention.triton_kernels import group_rows
+
+    assert [group_rows(g) for g in (1, 3, 4, 8)] == [1, 4, 4, 8]
+    torch.manual_seed(4)
+    kv = torch.randn(2, NB, BS, kv_heads, D)
+    tables = torch.tensor([[3, 7, 1], [5, 0, 0]])
+    lens = torch.tensor([40, 9])
+    q = torch.randn(2, heads, D)
+    for splits in (1, 2):
+        out = paged_decode(q, kv, tables, lens, D**-0.5, splits=splits, group_rows=rows)
+        for b in range(2):
+            k, v = gather_kv(kv, tables[b:b + 1])
+            n = int(lens[b])
+            ref = F.scaled_dot_product_attention(q[b].unsqueeze(1).double(), k[0, :n].transpose(0, 1).double(),
+                                                 v[0, :n].transpose(0, 1).double(), scale=D**-0.5, enable_gqa=True)
+            torch.testing.assert_close(out[b], ref.squeeze(1).float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [2, 6])
+def test_decode_refuses_group_rows_that_do_not_hold_the_group_as_a_power_of_two(rows):
+    q, kv = torch.zeros(1, 8, D), torch.zeros(2, NB, BS, 2, D)
+    with pytest.raises(ValueError, match="power of two rows, at least 4"):
+        paged_decode(q, kv, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0,
+                     group_rows=rows)
+
+
 def _fake_flash_attn(monkeypatch):
     """A stand-in for the flash_attn package with its two entry points written in torch (same
     arguments and layouts), so the flash backend's own plumbing is tested without a GPU."""
