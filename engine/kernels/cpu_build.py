@@ -13,10 +13,13 @@ look functions up on the module at call time, so the benchmark's profiler labels
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import threading
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -133,17 +136,52 @@ def _load_module(isa: str) -> ModuleType:
     flags = build_flags(isa)
     # NOTE: the name keeps its historical prefix so that builds cached on disk stay valid.
     digest = hashlib.sha1((source + " ".join(flags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
-    module = load_inline(
-        name=f"infinilm_paged_attention_cpu_{isa}_{digest}",
-        cpp_sources=[source],
-        functions=_FUNCTIONS,
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with status_while_slow(f"building the CPU kernels for {isa} (cached after this run)"):
+        module = load_inline(
+            name=f"infinilm_paged_attention_cpu_{isa}_{digest}",
+            cpp_sources=[source],
+            functions=_FUNCTIONS,
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     # silu_mul_rows_ splits a row as ATen's own loop does, by ATen's vector width, to keep torch's bits.
     module.set_torch_vector_lanes(16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
     return module
+
+
+# Loading a cached build takes well under this; a first build, about a minute, so it says what it is doing.
+STATUS_AFTER_S = 2.0
+
+
+@contextlib.contextmanager
+def status_while_slow(description: str, after: float = STATUS_AFTER_S) -> Iterator[None]:
+    """Once the block has run `after` seconds: `description` in the log, and with a spinner and the time
+    elapsed on stderr until the block ends. A block that ends sooner shows nothing."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=False)
+
+    shown = threading.Event()
+
+    def show() -> None:
+        log.info("%s", description)
+        bar.add_task(description, total=None)
+        bar.start()
+        shown.set()
+
+    timer = threading.Timer(after, show)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()  # a show() under way has finished before the bar stops
+        if shown.is_set():
+            bar.stop()
 
 
 def kernels_available() -> bool:
