@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -227,10 +228,17 @@ class DecodeLaunch:
 
 def group_rows(group: int) -> int:
     """The rows a KV head's query group fills in the decode kernels' dot products: the next power of two.
-    tl.dot pads fewer than 16 rows to the tensor cores' shape itself, so the kernel need not: compiled
-    for sm_90 the same MMA instructions then take less shared memory and, under the device's Triton,
-    fewer registers (docs/perf/gpu.md; bench.gpu_check's sweep times 16 rows beside it)."""
-    return triton.next_power_of_2(group)
+    From Triton 3.5 tl.dot pads fewer than 16 rows to the tensor cores' shape itself, so the kernel need
+    not: compiled for sm_90 the same MMA instructions then take less shared memory and, under the
+    device's Triton, fewer registers (docs/perf/gpu.md; bench.gpu_check's sweep times 16 rows beside it).
+    Earlier versions refuse a dot of fewer than 16 rows."""
+    return triton.next_power_of_2(group) if _dot_takes_small_rows() else max(16, triton.next_power_of_2(group))
+
+
+@functools.cache
+def _dot_takes_small_rows() -> bool:
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
+    return (major, minor) >= (3, 5)
 
 
 def decode_launch(q: torch.Tensor, kv_heads: int, block_size: int, block_tables: torch.Tensor, pages: int,

@@ -70,7 +70,22 @@ def specialise(launch: Launch):
     kwargs.setdefault("debug", fn.debug)
     bind = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = bind(*launch.args, **kwargs)
-    return fn._pack_args(backend, kwargs, bound, specialization, options)
+    if hasattr(fn, "_pack_args"):
+        return fn._pack_args(backend, kwargs, bound, specialization, options)
+    return _pack_args_inline(fn, backend, kwargs, bound, specialization)
+
+
+def _pack_args_inline(fn, backend, kwargs: dict, bound: dict, specialization: list):
+    """What JITFunction.run derives inline before Triton moved it into _pack_args (3.4, the Docker image's)."""
+    from triton.runtime.jit import find_paths_if, get_iterable_path
+
+    sigvals = [x[0] for x in specialization]
+    constexprs = {path: get_iterable_path(list(bound.values()), path)
+                  for path in find_paths_if(sigvals, lambda _, val: val == "constexpr")}
+    attrvals = [x[1] for x in specialization]
+    attrs = {path: backend.parse_attr(get_iterable_path(attrvals, path))
+             for path in find_paths_if(attrvals, lambda _, x: isinstance(x, str))}
+    return backend.parse_options(kwargs), dict(zip([p.name for p in fn.params], sigvals, strict=True)), constexprs, attrs
 
 
 def divisible_args(launch: Launch) -> set[str]:

@@ -77,7 +77,10 @@ add("w4a16 m=1 split", lambda: w4a16_linear(x, torch.zeros(N, HIDDEN // 2, dtype
                                             torch.ones(N, HIDDEN // 128, dtype=torch.float16),
                                             torch.zeros(N, HIDDEN // 128, dtype=torch.float16), splits=3))
 (launch,) = record_launches(decode)
-print(json.dumps({"usage": out, "decode_divisible": sorted(divisible_args(launch))}))
+from engine.attention.triton_kernels import _dot_takes_small_rows
+
+print(json.dumps({"usage": out, "decode_divisible": sorted(divisible_args(launch)),
+                  "small_rows": _dot_takes_small_rows()}))
 """
 
 
@@ -85,9 +88,13 @@ def test_bf16_attention_fused_ops_and_weight_gemms_compile_for_sm90():
     got = run_script(SCRIPT)
     assert_no_spills(got["usage"], 25)
     # The 4-head query group in its own 4 rows (group_rows): the same tensor-core products as padded to 16
-    # (tl.dot pads to the MMA shape itself), less softmax arithmetic, less staged in shared memory.
+    # (tl.dot pads to the MMA shape itself), less softmax arithmetic, less staged in shared memory. Before
+    # Triton 3.5 the group takes 16 rows, the one launch.
     own, padded = (got["usage"][f"decode batch 64{rows}: _decode_kernel"] for rows in ("", " rows=16"))
     assert own["ops"]["HMMA"] == padded["ops"]["HMMA"] > 0, (own, padded)
+    if not got["small_rows"]:
+        assert own == padded
+        return
     assert own["ops"]["FMUL"] < padded["ops"]["FMUL"] and own["ops"]["MUFU"] < padded["ops"]["MUFU"], (own, padded)
     assert own["shared"] < padded["shared"], (own, padded)
     # The compile is specialised as a device launch is: the cache's pointer and strides are marked

@@ -179,6 +179,20 @@ def test_decode_groups_in_their_own_rows_or_padded_to_16_match_dense(heads, kv_h
             torch.testing.assert_close(out[b], ref.squeeze(1).float(), atol=1e-5, rtol=0)
 
 
+def test_before_triton_3_5_the_group_takes_16_rows_which_its_dot_requires(monkeypatch):
+    import triton
+
+    from engine.attention import triton_kernels
+
+    try:
+        for version, rows in (("3.4.0", [16, 16, 32]), ("3.5.1", [4, 8, 32]), ("3.10.0+git1a2b", [4, 8, 32])):
+            monkeypatch.setattr(triton, "__version__", version)
+            triton_kernels._dot_takes_small_rows.cache_clear()
+            assert [triton_kernels.group_rows(g) for g in (3, 8, 32)] == rows, version
+    finally:
+        triton_kernels._dot_takes_small_rows.cache_clear()  # the installed version's answer again
+
+
 @pytest.mark.parametrize("rows", [2, 6])
 def test_decode_refuses_group_rows_that_do_not_hold_the_group_as_a_power_of_two(rows):
     q, kv = torch.zeros(1, 8, D), torch.zeros(2, NB, BS, 2, D)

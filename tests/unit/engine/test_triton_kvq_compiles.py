@@ -92,6 +92,9 @@ for fmt in ("int8", "fp8"):
     for warps in (4, 8):  # the query group padded to 16 rows, as the sweep times it beside the default's 4
         add(f"decode {fmt} keys=64 warps={warps} rows=16", lambda: paged_decode_quant(
             torch.zeros(B, H, D, dtype=BF), cache, tables, lens, 0.1, num_warps=warps, group_rows=16))
+from engine.attention.triton_kernels import _dot_takes_small_rows
+
+out["small_rows"] = _dot_takes_small_rows()
 print(json.dumps(out))
 """
 
@@ -102,6 +105,7 @@ def test_8bit_decode_launch_settings_of_the_device_sweep_compile_and_8_warps_tak
     none under the device's 3.6, so stack is printed here, not failed on; the device run lists its own
     builds (compiled_kernels)."""
     usage = run_script(GRID)
+    small_rows = usage.pop("small_rows")
     assert_no_spills(usage, 20, may_spill=lambda name: True)
     # At 8 warps a 64-key tile takes fewer registers a thread than at 4, so an SM keeps more warps in flight;
     # the group in its own 4 rows (group_rows) takes fewer at 8 warps and less shared memory than 16 rows.
@@ -109,4 +113,7 @@ def test_8bit_decode_launch_settings_of_the_device_sweep_compile_and_8_warps_tak
         four, eight = (usage[f"decode {fmt} keys=64 warps={w} stages=3: _qdecode_kernel"] for w in (4, 8))
         assert eight["registers"] < four["registers"], (fmt, four, eight)
         padded = usage[f"decode {fmt} keys=64 warps=8 rows=16: _qdecode_kernel"]
-        assert eight["registers"] < padded["registers"] and eight["shared"] < padded["shared"], (fmt, eight, padded)
+        if small_rows:
+            assert eight["registers"] < padded["registers"] and eight["shared"] < padded["shared"], (fmt, eight, padded)
+        else:  # before Triton 3.5 the group takes 16 rows: the one launch
+            assert (eight["registers"], eight["shared"]) == (padded["registers"], padded["shared"]), (fmt, eight, padded)
