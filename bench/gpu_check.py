@@ -70,18 +70,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_ms(fn) -> tuple[float, str]:
+def device_ms(fn, rep: int = 50) -> tuple[float, str]:
     """(median milliseconds, how) of `fn` on the current CUDA device. Its launches are replayed from a CUDA
     graph, as the engine's decode steps are, so a Triton launch's host cost (tens of microseconds from Python,
     as long as a small decode kernel) is not what is timed; launches that cannot be captured fall back to
-    triton's event timing, and `how` says which one ran."""
+    triton's event timing, and `how` says which one ran. `rep`: milliseconds of launches per replay (the
+    median of ten replays is returned)."""
     import triton.testing
 
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"), "cuda graph"
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"), "cuda graph"
     except Exception:  # capture refused (a host sync inside fn): time the launches as they come
         torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"), "eager"
+        return triton.testing.do_bench(fn, warmup=10, rep=2 * rep, return_mode="median"), "eager"
 
 
 def l2_copies(device: torch.device, nbytes: int) -> int:
@@ -265,6 +266,9 @@ def prefill_sweep(device: torch.device, dtype: torch.dtype, gen: torch.Generator
 
 # A sweep's setting names as the report gives them: bench rows and docs say "warps" and "stages".
 SETTING_NAMES = {"num_warps": "warps", "num_stages": "stages"}
+# decode_sweep times about 180 launches (settings and defaults) inside the device plan's first call, so each
+# takes 20 ms of launches per replay, not device_ms' 50; the default and its variants alike.
+SWEEP_REP_MS = 20
 
 
 def time_variants(launch, settings: list[dict], want: torch.Tensor, device: torch.device, rate: str,
@@ -278,7 +282,7 @@ def time_variants(launch, settings: list[dict], want: torch.Tensor, device: torc
         call = functools.partial(launch, **setting)
         try:
             err = (call().float() - want).abs().max().item()
-            ms, how = device_ms(call) if device.type == "cuda" else (float("nan"), None)
+            ms, how = device_ms(call, SWEEP_REP_MS) if device.type == "cuda" else (float("nan"), None)
         except Exception as exc:
             rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
@@ -288,7 +292,7 @@ def time_variants(launch, settings: list[dict], want: torch.Tensor, device: torc
 
 def sweep_result(default, rows: list[dict], kv_bytes: int | None, device: torch.device) -> dict:
     """A sweep's entry in the report: the engine's default launch timed beside the variants, and the fastest."""
-    ms, how = device_ms(default) if device.type == "cuda" else (float("nan"), None)
+    ms, how = device_ms(default, SWEEP_REP_MS) if device.type == "cuda" else (float("nan"), None)
     timed = [r for r in rows if "us" in r and not math.isnan(r["us"])]
     return {"kv_bytes": kv_bytes, "default_us": ms * 1e3, "timing": how,
             "best": min(timed, key=lambda r: r["us"]) if timed else None, "variants": rows}

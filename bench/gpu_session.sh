@@ -35,9 +35,10 @@ Prepared $DEV/ ($(du -sh "$DEV" | cut -f1)). The device calls, inside a session'
 (machine start included); gpu_check starts no section after --time-budget seconds and rewrites its JSON after
 every section, so a call cut off early still brings back what it finished:
   1. carry ["$DEV/whl", "${parts[0]}"], timeout_s 300, command:
-     bench/gpu_session.sh run kernels,llama3_8b_unfused,llama3_8b_shaped,decode_sweep,tiny_vs_hf_fp32 --time-budget 200
-     (about 120 s of sections; the unfused decoder first, since the runs that timed the fused one first found its
-     mixed-step prefill slower: docs/perf/gpu.md, "Open: prefill in mixed steps")
+     bench/gpu_session.sh run kernels,llama3_8b_unfused,llama3_8b_shaped,tiny_vs_hf_fp32,decode_sweep --time-budget 200
+     (about 190 s of sections; the unfused decoder first, since the runs that timed the fused one first found its
+     mixed-step prefill slower: docs/perf/gpu.md, "Open: prefill in mixed steps"; the launch sweeps last, about
+     180 timed launches in some 100 s, so that a sweep that runs long costs no other section)
   2. carry ["$DEV/whl", "${parts[1]}"], timeout_s 480, command:
      bench/gpu_session.sh run weight_formats,kv_formats,smollm2_vs_hf,smollm2_speed --time-budget 360
   3. only for sections the second call's JSON marks "skipped" or lacks: no carry, the same command on those.
