@@ -205,9 +205,10 @@ def random_decode_batch(batch: int, heads: int, kv_heads: int, head_dim: int, le
     return q, kv, tables, lens
 
 
-def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict:
+def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False, partial=None) -> dict:
     """The paged decode kernel's launch settings (blocks per iteration, warps, pipeline stages, split, the
-    query group's rows) timed on the decode shapes of the speed suites, each checked against the default launch."""
+    query group's rows) timed on the decode shapes of the speed suites, each checked against the default launch.
+    `partial(results)` gets the results so far as each shape (and the prefill and 8-bit sweeps) ends."""
     from bench.gpu_kv import quant_sweep  # the 8-bit KV kernels' launch settings
     from engine.attention.triton_kernels import paged_decode
 
@@ -233,8 +234,12 @@ def decode_sweep(device: torch.device, dtype: torch.dtype, quick: bool = False) 
         launch = functools.partial(paged_decode, q, kv, tables, lens, scale)
         results[label] = sweep_result(launch, time_variants(launch, settings, want, device, "GBps", kv_bytes / 1e9),
                                       kv_bytes, device)
-    results.update(prefill_sweep(device, dtype, gen, quick))
-    results.update(quant_sweep(device, dtype, gen, quick))
+        if partial is not None:
+            partial(results)
+    for more in (prefill_sweep, quant_sweep):
+        results.update(more(device, dtype, gen, quick))
+        if partial is not None:
+            partial(results)
     return results
 
 
@@ -615,10 +620,16 @@ def run(args, save=None) -> dict:
 
         return kv_formats(device, bw, quick, smollm2())
 
+    def sweep_so_far(results: dict) -> None:
+        # The longest section saves as it goes: a call cut off mid-sweep brings back the shapes it timed.
+        report["decode_sweep"] = {**results, "unfinished": True}
+        if save is not None:
+            save(report)
+
     batches = (8, 1) if quick else (64, 1)
     runners = {
         "kernels": lambda: check_kernels(device, getattr(torch, dtype), quick),
-        "decode_sweep": lambda: decode_sweep(device, getattr(torch, dtype), quick),
+        "decode_sweep": lambda: decode_sweep(device, getattr(torch, dtype), quick, sweep_so_far),
         "tiny_vs_hf_fp32": tiny_vs_hf,
         "smollm2_vs_hf": smollm2_vs_hf,
         "llama3_8b_shaped": lambda: speed_suite("llama3-8b-shaped", big, device, dtype, True, context, steps,
@@ -678,6 +689,8 @@ def print_report(report: dict) -> None:
             print(f"{key} batch {batch}, eager step: {kb['kernels_per_step']:.0f} kernels, "
                   f"{kb['device_us_per_step'] / 1e3:.2f} ms of kernel time; top: " + "; ".join(
                       f"{t['kernel'][:40]} x{t['calls_per_step']:.0f} {t['us_per_step']:.0f}us" for t in kb["top"][:6]))
+    if (report.get("decode_sweep") or {}).get("unfinished"):
+        print("decode_sweep: cut off before it finished; the sweeps below are the ones it completed")
     for label, sw in (report.get("decode_sweep") or {}).items():
         if isinstance(sw, dict) and "default_us" in sw:
             best = sw["best"]

@@ -38,7 +38,8 @@ every section, so a call cut off early still brings back what it finished:
      bench/gpu_session.sh run kernels,llama3_8b_unfused,llama3_8b_shaped,tiny_vs_hf_fp32,decode_sweep --time-budget 200
      (about 190 s of sections; the unfused decoder first, since the runs that timed the fused one first found its
      mixed-step prefill slower: docs/perf/gpu.md, "Open: prefill in mixed steps"; the launch sweeps last, about
-     180 timed launches in some 100 s, so that a sweep that runs long costs no other section)
+     180 timed launches in some 100 s, so that a sweep that runs long costs no other section; it saves each
+     shape's results as it goes)
   2. carry ["$DEV/whl", "${parts[1]}"], timeout_s 480, command:
      bench/gpu_session.sh run weight_formats,kv_formats,smollm2_vs_hf,smollm2_speed --time-budget 360
   3. only for sections the second call's JSON marks "skipped" or lacks: no carry, the same command on those.

@@ -90,8 +90,12 @@ def test_sections_run_in_the_order_given_and_each_one_is_saved(monkeypatch, tmp_
             return {"ran": name}
         return run
 
+    def sweep(device, dtype, quick, partial):  # the longest section saves each shape as it ends
+        partial({"shape 1": {"default_us": 1.0}})
+        return fake("decode_sweep", 1.5)()
+
     monkeypatch.setattr(gc, "copy_bandwidth", lambda *a: 1e9)
-    monkeypatch.setattr(gc, "decode_sweep", fake("decode_sweep", 1.5))
+    monkeypatch.setattr(gc, "decode_sweep", sweep)
     monkeypatch.setattr(gc, "check_kernels", fake("kernels", 0))
     path, saved = tmp_path / "run.json", []
 
@@ -103,9 +107,10 @@ def test_sections_run_in_the_order_given_and_each_one_is_saved(monkeypatch, tmp_
                               sections=["decode_sweep", "kernels"])
     report = gc.run(args, save)
     assert calls == ["decode_sweep"]  # kernels came after the budget had run out
-    assert [s["complete"] for s in saved] == [False, False, True]
-    assert saved[0]["decode_sweep"]["ran"] == "decode_sweep" and "kernels" not in saved[0]
-    assert "budget" in saved[1]["kernels"]["skipped"]
+    assert [s["complete"] for s in saved] == [False, False, False, True]
+    assert saved[0]["decode_sweep"] == {"shape 1": {"default_us": 1.0}, "unfinished": True}
+    assert saved[1]["decode_sweep"]["ran"] == "decode_sweep" and "kernels" not in saved[1]
+    assert "budget" in saved[2]["kernels"]["skipped"]
     assert saved[-1] == json.loads(json.dumps(report, default=str)) and not list(tmp_path.glob("*.tmp"))
     args.sections, args.time_budget, calls[:] = ["kernels", "decode_sweep"], 60, []
     keys = list(gc.run(args))

@@ -57,7 +57,10 @@ def test_kv_formats_dry_run_on_the_cpu():
 def test_launch_sweeps_dry_run_on_the_cpu(capsys):
     from bench.gpu_check import decode_sweep, print_report
 
-    result = decode_sweep(torch.device("cpu"), torch.float32, quick=True)
+    so_far = []
+    result = decode_sweep(torch.device("cpu"), torch.float32, quick=True, partial=lambda r: so_far.append(list(r)))
+    # What a call cut off mid-sweep keeps: the bf16 shape, then its prefill, then the 8-bit sweeps.
+    assert so_far == [["tiny b=4"], ["tiny b=4", "prefill tiny"], list(result)]
     counts = {label: len(sweep["variants"]) for label, sweep in result.items()}
     # bf16 decode: pages x warps x stages x split, and 6 with the group padded to 16 rows; prefill: tile rows
     # x keys x warps; the 8-bit decode: pages x warps x stages and 4 padded, and its prefill keys x warps.
@@ -78,8 +81,11 @@ def test_launch_sweeps_dry_run_on_the_cpu(capsys):
     timed = {**result["fp8 tiny b=4 100"], "default_us": 120.0, "kv_bytes": 60_000_000}
     timed["best"] = {**timed["variants"][-1], "us": 80.0}  # a padded row: its group_rows is named
     print_report({"device": "test", "torch": "", "triton": "", "copy_bandwidth_GBps": 1.0, "date": "",
-                  "decode_sweep": {"fp8 tiny b=4 100": timed, "int8 tiny b=4 100": result["int8 tiny b=4 100"]}})
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sweep ")]
+                  "decode_sweep": {"fp8 tiny b=4 100": timed, "int8 tiny b=4 100": result["int8 tiny b=4 100"],
+                                   "unfinished": True}})
+    out = capsys.readouterr().out
+    assert "decode_sweep: cut off before it finished" in out
+    lines = [x for x in out.splitlines() if x.startswith("sweep ")]
     assert lines == ["sweep fp8 tiny b=4 100: default 120us (500 GB/s); best 80us (1.50x the default) with "
                      f"pages={timed['best']['pages']} warps={timed['best']['warps']} group_rows=16",
                      "sweep int8 tiny b=4 100: 20 settings checked, none timed (no CUDA device)"]
