@@ -232,7 +232,7 @@ def group_rows(group: int) -> int:
     not: compiled for sm_90 the same MMA instructions then take less shared memory and, under the
     device's Triton, fewer registers (docs/perf/gpu.md; bench.gpu_check's sweep times 16 rows beside it).
     Earlier versions refuse a dot of fewer than 16 rows."""
-    return triton.next_power_of_2(group) if _dot_takes_small_rows() else max(16, triton.next_power_of_2(group))
+    return max(triton.next_power_of_2(group), 1 if _dot_takes_small_rows() else 16)
 
 
 @functools.cache

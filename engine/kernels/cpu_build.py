@@ -150,7 +150,7 @@ def _load_module(isa: str) -> ModuleType:
     return module
 
 
-# Loading a cached build takes well under this; a first build, about a minute, so it says what it is doing.
+# Loading a cached build takes well under this; a first build compiles for far longer, so it says what it is doing.
 STATUS_AFTER_S = 2.0
 
 
@@ -163,7 +163,6 @@ def status_while_slow(description: str, after: float = STATUS_AFTER_S) -> Iterat
 
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                    console=Console(stderr=True), transient=False)
-
     shown = threading.Event()
 
     def show() -> None:

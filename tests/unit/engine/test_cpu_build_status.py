@@ -1,4 +1,4 @@
-"""A first build of the CPU kernels takes about a minute: it says so on stderr and in the log while it runs;
+"""A first build of the CPU kernels compiles for a long while: it says so on stderr and in the log while it runs;
 a cached load, which returns at once, shows nothing (engine/kernels/cpu_build.py, status_while_slow)."""
 
 from __future__ import annotations
