@@ -65,6 +65,9 @@ pytest_rc() { if [ "$1" = 5 ]; then log "no tests collected"; echo 0; else echo 
 cmd_test() {
   local fast=0
   if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
+  # The tests share the cores with each other (two pytest runs) and with the workers they start: OpenMP threads
+  # that spin while they wait would take the cores from the work, so they sleep instead. A value set by the caller wins.
+  export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
   log "ruff"
   "$VENV/bin/ruff" check .
   if [ "$fast" = 1 ]; then

@@ -1,7 +1,7 @@
 """Build and load the one C++ extension that holds every CPU kernel, for the instruction set this host takes.
 
 Attention (engine/attention/csrc), quantized linears (engine/quant/csrc) and the model's fused ops
-(engine/models/csrc) compile together as one translation unit, cached on disk per machine, source
+(engine/models/csrc) compile together as one translation unit, cached on disk per machine, torch install, source
 version and instruction set. The kernels are written once, on ATen's portable vectors (at::vec), and
 the same sources build one module per instruction set ("avx512", "avx2", "baseline"): `load_kernels()`
 loads the one for `target_isa()` (the host's best, or the INFINILM_CPU_ISA cap), and `load_kernels(isa)`
@@ -128,20 +128,30 @@ def load_kernels(isa: str | None = None) -> ModuleType:
     return _load_module(_checked_isa(isa))
 
 
+def _source() -> str:
+    return "\n".join(path.read_text() for path in _SOURCES)
+
+
+def module_name(isa: str) -> str:
+    """The extension's name for `isa`, which names its build directory: one per source version, flags, CPU and
+    torch install."""
+    # NOTE: the torch install's path is in the digest: ninja rebuilds whenever the compile command changes, and
+    # that command names the install's include paths, so two checkouts' venvs sharing one build directory would
+    # rebuild it for each other on every run.
+    key = " ".join([_source(), *build_flags(isa), _cpu_flags(), torch.__version__, str(Path(torch.__file__).parent)])
+    return f"infinilm_cpu_kernels_{isa}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
 @cache
 def _load_module(isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load_inline
 
-    source = "\n".join(path.read_text() for path in _SOURCES)
-    flags = build_flags(isa)
-    # NOTE: the name keeps its historical prefix so that builds cached on disk stay valid.
-    digest = hashlib.sha1((source + " ".join(flags) + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     with status_while_slow(f"building the CPU kernels for {isa} (cached after this run)"):
         module = load_inline(
-            name=f"infinilm_paged_attention_cpu_{isa}_{digest}",
-            cpp_sources=[source],
+            name=module_name(isa),
+            cpp_sources=[_source()],
             functions=_FUNCTIONS,
-            extra_cflags=flags,
+            extra_cflags=build_flags(isa),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -46,15 +46,23 @@ def test_a_cap_above_the_host_or_an_unknown_name_is_refused(monkeypatch):
 
 
 @pytest.mark.skipif(cpu_build.host_isa() == "baseline", reason="this host has no AVX2")
-def test_the_avx2_path_passes_the_reference_checks():
-    """tests/reference/test_engine_reference.py's HF comparisons (tiny models through every backend, SmolLM2's
-    greedy tokens on prepacked and compact panels), run in a process whose kernels are built for AVX2: the same kernels as AVX-512's, 8 lanes wide."""
+def test_the_cap_builds_and_loads_the_avx2_module():
     env = {**os.environ, cpu_build.ISA_ENV: "avx2", "PYTHONPATH": str(REPO)}
     probe = subprocess.run(
         [sys.executable, "-c", "from engine.kernels.cpu_build import cpu_kernels, target_isa; "
                                "print(target_isa(), cpu_kernels().panel_gemm_available(), cpu_kernels().vector_lanes())"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert probe.stdout.split() == ["avx2", "True", "8"], probe.stderr[-3000:]
+
+
+@pytest.mark.skipif(cpu_build.host_isa() == "baseline", reason="this host has no AVX2")
+@pytest.mark.skipif(cpu_build.target_isa() == "avx2", reason="this process's kernels are the AVX2 path already: "
+                    "tests/reference/test_engine_reference.py runs these checks on them here")
+def test_the_avx2_path_passes_the_reference_checks():
+    """tests/reference/test_engine_reference.py's HF comparisons (tiny models through every backend, SmolLM2's
+    greedy tokens on prepacked and compact panels), run in a process whose kernels are built for AVX2: the same
+    kernels as AVX-512's, 8 lanes wide."""
+    env = {**os.environ, cpu_build.ISA_ENV: "avx2", "PYTHONPATH": str(REPO)}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reference/test_engine_reference.py",
          # SmolLM2's `plain` arm is left out: its linears are torch's, and the tiny models' checks cover the attention.
