@@ -19,7 +19,8 @@ app = typer.Typer(
 )
 
 # Modules of this package that define `register(app: typer.Typer) -> None`.
-_COMMAND_MODULES = ("model", "generate", "stack", "worker", "client", "demo", "quantize", "evaluate", "config")
+_COMMAND_MODULES = ("model", "generate", "stack", "worker", "client", "demo", "quantize", "evaluate", "config",
+                    "kernels")
 
 
 def _register_all() -> None:

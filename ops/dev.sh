@@ -5,7 +5,7 @@
 #   ops/dev.sh test   - lint, start the local stack, run every test tier (service tiers beside engine tiers)
 #   ops/dev.sh test [pytest args] - the same stack, then one pytest run with those arguments
 #   ops/dev.sh test --fast - lint, then tests/unit without the tests marked slow (the edit-test loop)
-#   ops/dev.sh setup  - only install what is missing
+#   ops/dev.sh setup  - only install what is missing, and build the CPU kernels
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,23 +92,32 @@ cmd_test() {
       *) log "$tier is in neither SERVICE_TIERS nor ENGINE_TIERS (ops/dev.sh): add it to one"; return 2 ;;
     esac
   done
-  local state="$ROOT/.state/test-logs" service_rc engine_rc
+  local state="$ROOT/.state/test-logs" service_rc engine_rc kernels_rc
   mkdir -p "$state"
+  # The engine tiers load a CPU kernel module for every instruction set this CPU runs. A first build is a
+  # long single-threaded compile: the builds start now, side by side, and a test waits for one under way.
+  log "building the CPU kernels in the background (output: $state/kernels.log)"
+  "$VENV/bin/infinilm" kernels build --all > "$state/kernels.log" 2>&1 &
+  local kernels_pid=$!
   log "pytest ${SERVICE_TIERS[*]} in the background (output: $state/service.log, printed when it ends)"
   set +e
   "$VENV/bin/pytest" --durations=15 -o cache_dir=.pytest_cache/service "${SERVICE_TIERS[@]}" \
     > "$state/service.log" 2>&1 &
   local service_pid=$!
   # An interrupted run takes the background pytest (and the workers it started) down with it.
-  trap 'kill -- "$service_pid" 2>/dev/null; exit 130' INT TERM
+  trap 'kill -- "$service_pid" "$kernels_pid" 2>/dev/null; exit 130' INT TERM
   log "pytest ${ENGINE_TIERS[*]}"
   "$VENV/bin/pytest" --durations=15 "${ENGINE_TIERS[@]}"
   engine_rc=$?
   log "waiting for ${SERVICE_TIERS[*]}"
   wait "$service_pid"
   service_rc=$?
+  wait "$kernels_pid"
+  kernels_rc=$?
   trap - INT TERM
   set -e
+  # A failed build shows in the tests too; its own output says why.
+  [ "$kernels_rc" = 0 ] || { log "infinilm kernels build --all (rc $kernels_rc):"; cat "$state/kernels.log"; }
   log "pytest ${SERVICE_TIERS[*]} (rc $service_rc):"
   cat "$state/service.log"
   engine_rc="$(pytest_rc "$engine_rc")"
@@ -122,7 +131,7 @@ main() {
   local cmd="${1:-}"
   shift || true
   case "$cmd" in
-    setup) ensure_system_packages; ensure_venv ;;
+    setup) ensure_system_packages; ensure_venv; "$VENV/bin/infinilm" kernels build ;;
     test) ensure_system_packages; ensure_venv; cmd_test "$@" ;;
     demo) ensure_system_packages; ensure_venv; "$VENV/bin/infinilm" demo "$@" ;;
     *) echo "usage: ops/dev.sh {demo|test [--fast]|setup} [args]" >&2; exit 2 ;;

@@ -86,7 +86,7 @@ def target_isa() -> str:
     """The instruction set the kernels are built for: the host's best, or less where INFINILM_CPU_ISA says so.
     Raises ValueError for an unknown name or one this CPU lacks."""
     wanted = os.environ.get(ISA_ENV, "").strip().lower()
-    return _checked_isa(wanted, source=f"{ISA_ENV}={wanted!r}") if wanted else host_isa()
+    return checked_isa(wanted, source=f"{ISA_ENV}={wanted!r}") if wanted else host_isa()
 
 
 def runnable_isas() -> tuple[str, ...]:
@@ -94,13 +94,14 @@ def runnable_isas() -> tuple[str, ...]:
     return ISAS[ISAS.index(host_isa()):]
 
 
-def _checked_isa(isa: str | None, source: str = "isa") -> str:
+def checked_isa(isa: str | None, source: str = "isa") -> str:
+    """`isa`, or target_isa() for None. Raises ValueError for an unknown name or one this CPU lacks."""
     if isa is None:
         return target_isa()
     if isa not in ISAS:
         raise ValueError(f"{source}: expected one of {', '.join(ISAS)}")
     if isa not in runnable_isas():
-        raise ValueError(f"{source}, but this CPU's best is {host_isa()!r}")
+        raise ValueError(f"{source}: this CPU cannot run {isa}; this CPU's best is {host_isa()!r}")
     return isa
 
 
@@ -111,7 +112,7 @@ def build_flags(isa: str | None = None) -> list[str]:
     # NOTE: -ffp-contract=off: no product is fused with an add unless the source writes the FMA, so the compact
     # panels' rebuilt weights, and every at::vec expression, round alike on both instruction sets.
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-    isa, host = _checked_isa(isa), host_isa()
+    isa, host = checked_isa(isa), host_isa()
     if isa == "avx512":
         flags.append("-DCPU_CAPABILITY_AVX512")
     elif isa == "avx2":
@@ -125,7 +126,7 @@ def build_flags(isa: str | None = None) -> list[str]:
 def load_kernels(isa: str | None = None) -> ModuleType:
     """The kernel module for `isa` (default target_isa()), built once per machine, source version and instruction
     set (cached on disk) and loaded once per process. Raises ValueError for an instruction set this CPU lacks."""
-    return _load_module(_checked_isa(isa))
+    return _load_module(checked_isa(isa))
 
 
 def _source() -> str:
@@ -146,7 +147,9 @@ def module_name(isa: str) -> str:
 def _load_module(isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load_inline
 
-    with status_while_slow(f"building the CPU kernels for {isa} (cached after this run)"):
+    shown = status_while_slow(f"building the CPU kernels for {isa} (cached after this run)") if SHOW_BUILD_STATUS \
+        else contextlib.nullcontext()
+    with shown:
         module = load_inline(
             name=module_name(isa),
             cpp_sources=[_source()],
@@ -160,6 +163,8 @@ def _load_module(isa: str) -> ModuleType:
     return module
 
 
+# False where the caller shows the build's progress itself (`infinilm kernels build`).
+SHOW_BUILD_STATUS = True
 # Loading a cached build takes well under this; a first build compiles for far longer, so it says what it is doing.
 STATUS_AFTER_S = 2.0
 
