@@ -58,9 +58,6 @@ ensure_venv() {
 # worker processes (about half a core), so they run beside the CPU-bound engine tiers.
 SERVICE_TIERS=(tests/fault tests/integration)
 ENGINE_TIERS=(tests/unit tests/reference)
-# Engine-tier folders that run at the end of the service run instead, so that the two runs end about together
-# (after the service tiers, so those tiers' timed waits never share their process with CPU-bound tests).
-MOVED_TIERS=(tests/unit/bench)
 
 # pytest's exit code 5 means no tests were collected (e.g. a -k filter matched nothing).
 pytest_rc() { if [ "$1" = 5 ]; then log "no tests collected"; echo 0; else echo "$1"; fi; }
@@ -102,17 +99,17 @@ cmd_test() {
   log "building the CPU kernels in the background (output: $state/kernels.log)"
   "$VENV/bin/infinilm" kernels build --all > "$state/kernels.log" 2>&1 &
   local kernels_pid=$!
-  log "pytest ${SERVICE_TIERS[*]} ${MOVED_TIERS[*]} in the background (output: $state/service.log, printed when it ends)"
+  log "pytest ${SERVICE_TIERS[*]} in the background (output: $state/service.log, printed when it ends)"
   set +e
-  "$VENV/bin/pytest" --durations=15 -o cache_dir=.pytest_cache/service "${SERVICE_TIERS[@]}" "${MOVED_TIERS[@]}" \
+  "$VENV/bin/pytest" --durations=15 -o cache_dir=.pytest_cache/service "${SERVICE_TIERS[@]}" \
     > "$state/service.log" 2>&1 &
   local service_pid=$!
   # An interrupted run takes the background pytest (and the workers it started) down with it.
   trap 'kill -- "$service_pid" "$kernels_pid" 2>/dev/null; exit 130' INT TERM
-  log "pytest ${ENGINE_TIERS[*]}, less ${MOVED_TIERS[*]}"
-  "$VENV/bin/pytest" --durations=15 "${ENGINE_TIERS[@]}" "${MOVED_TIERS[@]/#/--ignore=}"
+  log "pytest ${ENGINE_TIERS[*]}"
+  "$VENV/bin/pytest" --durations=15 "${ENGINE_TIERS[@]}"
   engine_rc=$?
-  log "waiting for ${SERVICE_TIERS[*]} ${MOVED_TIERS[*]}"
+  log "waiting for ${SERVICE_TIERS[*]}"
   wait "$service_pid"
   service_rc=$?
   wait "$kernels_pid"
@@ -121,7 +118,7 @@ cmd_test() {
   set -e
   # A failed build shows in the tests too; its own output says why.
   [ "$kernels_rc" = 0 ] || { log "infinilm kernels build --all (rc $kernels_rc):"; cat "$state/kernels.log"; }
-  log "pytest ${SERVICE_TIERS[*]} ${MOVED_TIERS[*]} (rc $service_rc):"
+  log "pytest ${SERVICE_TIERS[*]} (rc $service_rc):"
   cat "$state/service.log"
   engine_rc="$(pytest_rc "$engine_rc")"
   service_rc="$(pytest_rc "$service_rc")"
