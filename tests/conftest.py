@@ -14,6 +14,29 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, vocab_size=320, max_position_embeddings=512)
 
 
+# With no pool size given, an engine on the CPU takes 40% of host RAM for its KV pool, capped at 2 GiB
+# (EngineOptions.cpu_kv_cache_cap_bytes), and zeroes and lists every block as it starts: 262k blocks of a tiny
+# model. The suite's in-process engines are capped at this instead (64k blocks of a tiny model, about 700 of
+# SmolLM2's) unless a test sets the pool or the cap itself; workers and ranks in processes of their own keep
+# the product's default.
+SUITE_KV_CACHE_CAP = 512 << 20
+
+
+@pytest.fixture(autouse=True)
+def suite_kv_cache_cap(monkeypatch):
+    from engine import engine_core
+    from engine.config import EngineConfig
+
+    product_cap, plan = EngineConfig().cpu_kv_cache_cap_bytes, engine_core.plan_cache_layout
+
+    def planned(cfg, *args):
+        if cfg.cpu_kv_cache_cap_bytes == product_cap:
+            cfg = cfg.replace(cpu_kv_cache_cap_bytes=SUITE_KV_CACHE_CAP)
+        return plan(cfg, *args)
+
+    monkeypatch.setattr(engine_core, "plan_cache_layout", planned)
+
+
 def write_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """Save a random-weight HF model of the given family (llama, qwen2, qwen3) as safetensors."""
     import torch
