@@ -282,12 +282,21 @@ def time_variants(launch, settings: list[dict], want: torch.Tensor, device: torc
     `rate`: the `amount` a launch moves (GB, tokens) per second; a setting the compiler refuses (e.g. out
     of shared memory) keeps its error instead."""
     rows = []
+    # Triton's interpreter (the CPU dry run) ignores warps and stages: settings that differ only in those run
+    # the same program, so it runs once and its rows share the error.
+    interpreted: dict[tuple, float] = {}
     for setting in settings:
         row = {SETTING_NAMES.get(k, k): v for k, v in setting.items()}
         call = functools.partial(launch, **setting)
+        program = tuple(sorted((k, v) for k, v in setting.items() if k not in ("num_warps", "num_stages")))
         try:
-            err = (call().float() - want).abs().max().item()
-            ms, how = device_ms(call, SWEEP_REP_MS) if device.type == "cuda" else (float("nan"), None)
+            if device.type == "cuda":
+                err = (call().float() - want).abs().max().item()
+                ms, how = device_ms(call, SWEEP_REP_MS)
+            else:
+                if program not in interpreted:
+                    interpreted[program] = (call().float() - want).abs().max().item()
+                err, ms, how = interpreted[program], float("nan"), None
         except Exception as exc:
             rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue

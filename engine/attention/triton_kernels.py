@@ -293,6 +293,33 @@ def _allowed(qr, kr, policy, start, end, seg_ptr, nseg, NSEG_PAD: tl.constexpr):
 
 
 @triton.jit
+def _prefill_span(meta_ptr, span, tile, BLOCK_M: tl.constexpr):
+    """A span's meta row (token_start, num_tokens, num_cached, policy, start, end, num_segments) and hi, the
+    end of the keys a tile's rows may see: past its last row, or a bidirectional region's end (policies 1, 2)."""
+    token_start = tl.load(meta_ptr + span * 7 + 0)
+    num_tokens = tl.load(meta_ptr + span * 7 + 1)
+    num_cached = tl.load(meta_ptr + span * 7 + 2)
+    policy = tl.load(meta_ptr + span * 7 + 3)
+    start = tl.load(meta_ptr + span * 7 + 4)
+    end = tl.load(meta_ptr + span * 7 + 5)
+    nseg = tl.load(meta_ptr + span * 7 + 6)
+    hi = num_cached + tl.minimum((tile + 1) * BLOCK_M, num_tokens)
+    hi = tl.where((policy == 1) | (policy == 2), tl.maximum(hi, end), hi)
+    return token_start, num_tokens, num_cached, policy, start, end, nseg, tl.minimum(hi, num_cached + num_tokens)
+
+
+@triton.jit
+def _masked_softmax_step(s, m, denom):
+    """_softmax_step for prefill tiles, where a row may have no allowed key yet (all -inf): such a row keeps
+    a zero sum and contributes nothing, instead of NaN."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return p, alpha, m_new, denom * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
                     s_qt, s_qh, s_kv, s_blk, s_tok, s_head, s_ot, s_oh, s_bt, s_seg,
                     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
@@ -303,14 +330,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
     tile = tl.program_id(1)
     h = tl.program_id(2)
     kh = h // G
-    # meta row: token_start, num_tokens, num_cached, policy, start, end, num_segments
-    token_start = tl.load(meta_ptr + span * 7 + 0)
-    num_tokens = tl.load(meta_ptr + span * 7 + 1)
-    num_cached = tl.load(meta_ptr + span * 7 + 2)
-    policy = tl.load(meta_ptr + span * 7 + 3)
-    start = tl.load(meta_ptr + span * 7 + 4)
-    end = tl.load(meta_ptr + span * 7 + 5)
-    nseg = tl.load(meta_ptr + span * 7 + 6)
+    token_start, num_tokens, num_cached, policy, start, end, nseg, hi = _prefill_span(meta_ptr, span, tile, BLOCK_M)
     if tile * BLOCK_M >= num_tokens:
         return
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -321,10 +341,6 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
     q = tl.load(q_ptr + (token_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0).to(kv_ptr.dtype.element_ty)
     rows = num_cached + offs_m  # query rows within the sequence
-    kv_len = num_cached + num_tokens
-    hi = num_cached + tl.minimum((tile + 1) * BLOCK_M, num_tokens)  # past the tile's last row, +1
-    hi = tl.where((policy == 1) | (policy == 2), tl.maximum(hi, end), hi)
-    hi = tl.minimum(hi, kv_len)
     num_blocks = tl.cdiv(hi, BS)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
@@ -340,14 +356,8 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr, scale,
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         ok = _allowed(rows, kr, policy, start, end, seg_ptr + span * s_seg, nseg, NSEG_PAD)
         ok = ok & kmask[None, :] & mmask[:, None]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = _masked_softmax_step(tl.where(ok, s, float("-inf")), m, denom)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
     out = acc / tl.where(denom == 0, 1.0, denom)[:, None]
     tl.store(out_ptr + (token_start + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])

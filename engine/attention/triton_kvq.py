@@ -29,7 +29,9 @@ from engine.attention.triton_kernels import (
     _allowed,
     _decode_program,
     _launch_options,
+    _masked_softmax_step,
     _precision,
+    _prefill_span,
     _softmax_step,
     _store_decode,
     decode_launch,
@@ -165,13 +167,7 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
     tile = tl.program_id(1)
     h = tl.program_id(2)
     kh = h // G
-    token_start = tl.load(meta_ptr + span * 7 + 0)
-    num_tokens = tl.load(meta_ptr + span * 7 + 1)
-    num_cached = tl.load(meta_ptr + span * 7 + 2)
-    policy = tl.load(meta_ptr + span * 7 + 3)
-    start = tl.load(meta_ptr + span * 7 + 4)
-    end = tl.load(meta_ptr + span * 7 + 5)
-    nseg = tl.load(meta_ptr + span * 7 + 6)
+    token_start, num_tokens, num_cached, policy, start, end, nseg, hi = _prefill_span(meta_ptr, span, tile, BLOCK_M)
     if tile * BLOCK_M >= num_tokens:
         return
     cdt = q_ptr.dtype.element_ty
@@ -183,14 +179,10 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
     q = tl.load(q_ptr + (token_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0)
     rows = num_cached + offs_m
-    kv_len = num_cached + num_tokens
-    hi = num_cached + tl.minimum((tile + 1) * BLOCK_M, num_tokens)
-    hi = tl.where((policy == 1) | (policy == 2), tl.maximum(hi, end), hi)
-    hi = tl.minimum(hi, kv_len)
     num_blocks = tl.cdiv(hi, BS)
     k_scale, v_scale = _head_scales(sc_ptr, s_sckv, kh, PER_ROW)
     slot = 0
-    ring_start = kv_len
+    ring_start = num_cached + num_tokens
     if W > 0:
         slot = tl.load(win_ptr + span * 2)
         ring_start = tl.load(win_ptr + span * 2 + 1)
@@ -205,7 +197,7 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
         k, v, ks, vs = _load_codes(val_ptr, sc_ptr, block, offs_t, offs_d, kmask, dmask, kh, k_scale, v_scale,
                                    s_kv, s_blk, s_tok, s_head, s_sckv, s_scblk, s_sctok, cdt, BS, PAGES, PER_ROW)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (ks * scale)[None, :]
-        # Without a window ring_start is kv_len, past every key: the band is empty.
+        # Without a window ring_start is the sequence's length, past every key: the band is empty.
         band = (kr[None, :] >= rows[:, None] + 1 - W) & (kr >= ring_start)[None, :]
         if W > 0:
             new = kmask & (kr >= num_cached)  # the chunk's own rows: the step's k/v
@@ -219,19 +211,13 @@ def _qprefill_kernel(q_ptr, val_ptr, sc_ptr, out_ptr, meta_ptr, bt_ptr, seg_ptr,
             s = tl.where(band, tl.dot(q, tl.trans(kf), input_precision=PRECISION) * scale, s)
         ok = _allowed(rows, kr, policy, start, end, seg_ptr + span * s_seg, nseg, NSEG_PAD)
         ok = ok & kmask[None, :] & mmask[:, None]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        denom = denom * alpha + tl.sum(p, axis=1)
+        p, alpha, m, denom = _masked_softmax_step(tl.where(ok, s, float("-inf")), m, denom)
         pv = tl.dot((tl.where(band, 0.0, p) * vs[None, :]).to(cdt), v, input_precision=PRECISION)
         if W > 0:
             vf = (tl.load(vn_ptr + nrow[:, None] * s_vt + kh * s_vh + offs_d[None, :], mask=nmask, other=0.0)
                   + tl.load(ring_ptr + s_rkv + rrow[:, None] + offs_d[None, :], mask=omask, other=0.0)).to(cdt)
             pv += tl.dot(tl.where(band, p, 0.0).to(cdt), vf, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
-        m = m_new
     out = acc / tl.where(denom == 0, 1.0, denom)[:, None]
     tl.store(out_ptr + (token_start + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])

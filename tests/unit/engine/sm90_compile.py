@@ -101,10 +101,11 @@ def divisible_args(launch: Launch) -> set[str]:
 COUNTED_OPS = ("HMMA", "FMUL", "MUFU")
 
 
-def compile_sm90(launch: Launch) -> dict:
-    """{"registers", "stack", "local", "warps", "shared", "ops"} of `launch` compiled for sm_90 as specialise()
-    describes it; "shared" is the bytes of shared memory a program takes (pipelined loads stage there),
-    "ops" the count of each COUNTED_OPS opcode in its SASS."""
+def compile_sm90(launch: Launch, sass: bool = False) -> dict:
+    """{"registers", "stack", "local", "warps", "shared"} of `launch` compiled for sm_90 as specialise()
+    describes it; "shared" is the bytes of shared memory a program takes (pipelined loads stage there).
+    With `sass`, also "ops": the count of each COUNTED_OPS opcode in its SASS (a disassembly takes about
+    a second of CPU a kernel, so only the launches whose instructions a test compares ask for it)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -118,21 +119,24 @@ def compile_sm90(launch: Launch) -> dict:
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                               check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else ""
     regs, stack, _, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text).groups())
-    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)
-    return {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps,
-            "shared": kernel.metadata.shared, "ops": {op: opcodes.count(op) for op in COUNTED_OPS}}
+    usage = {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps,
+             "shared": kernel.metadata.shared}
+    if sass:
+        opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", listing)
+        usage["ops"] = {op: opcodes.count(op) for op in COUNTED_OPS}
+    return usage
 
 
-def compile_step(step) -> dict[str, dict]:
+def compile_step(step, sass: bool = False) -> dict[str, dict]:
     """compile_sm90 of each launch `step()` makes, by kernel name (numbered when one kernel runs twice)."""
     out: dict[str, dict] = {}
     for launch in record_launches(step):
         name, n = launch.name, 2
         while name in out:
             name, n = f"{launch.name}#{n}", n + 1
-        out[name] = compile_sm90(launch)
+        out[name] = compile_sm90(launch, sass)
     return out
 
 

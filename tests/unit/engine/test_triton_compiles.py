@@ -34,8 +34,8 @@ lens = torch.full((64,), CTX)
 out = {}
 
 
-def add(name, step):
-    for kernel, usage in compile_step(step).items():
+def add(name, step, sass=False):
+    for kernel, usage in compile_step(step, sass).items():
         out[f"{name}: {kernel}"] = usage
 
 
@@ -43,9 +43,9 @@ def decode():
     paged_decode(torch.zeros(64, H, D, dtype=BF), kv, tables, lens, 0.1)
 
 
-add("decode batch 64", decode)
+add("decode batch 64", decode, sass=True)
 add("decode batch 64 rows=16", lambda: paged_decode(torch.zeros(64, H, D, dtype=BF), kv, tables, lens, 0.1,
-                                                   group_rows=16))
+                                                   group_rows=16), sass=True)
 # An H100's 132 multiprocessors split one sequence's 4k context 32 ways (decode_splits); the CPU has none.
 add("decode batch 1 split", lambda: paged_decode(torch.zeros(1, H, D, dtype=BF), kv, tables[:1], lens[:1], 0.1,
                                                   splits=32))
