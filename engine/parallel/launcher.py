@@ -56,6 +56,9 @@ class TensorParallelGroup:
         self.failure: EngineFailure | None = None
         self._fail_lock = threading.Lock()  # the watcher and the engine thread may both fail the group
         self._closed = False
+        # join_group gives this process (rank 0) its share of the cores; the process gets its own count back
+        # when the group ends, so a later engine here does not run (and quantize) on fewer threads.
+        self._threads = torch.get_num_threads()
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, n):
@@ -76,6 +79,7 @@ class TensorParallelGroup:
             self._stop_ranks(graceful=False)  # they may be waiting in a rendezvous or collective, not reading
             if dist.is_initialized():
                 dist.destroy_process_group()
+            torch.set_num_threads(self._threads)
             raise
         self._store = store
         self.state.model.leader = self
@@ -183,6 +187,7 @@ class TensorParallelGroup:
         os.close(self._wake_w)
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
 
     def _stop_ranks(self, graceful: bool = True) -> None:
         """graceful: a stop command first; otherwise (a failed group) SIGKILL at once, since a rank may be
