@@ -55,9 +55,12 @@ ensure_venv() {
 }
 
 # The two halves of the suite without pytest arguments. The service tiers mostly wait on Kafka, Redis and
-# worker processes (about half a core), so they run beside the CPU-bound engine tiers.
+# worker processes (about half a core), so they run beside the CPU-bound engine tiers. Each half spreads its
+# files over TEST_WORKERS pytest-xdist processes: one process leaves a core idle while it waits (on a worker,
+# a broker, or between torch calls), and a file keeps its module fixtures in one process.
 SERVICE_TIERS=(tests/fault tests/integration)
 ENGINE_TIERS=(tests/unit tests/reference)
+TEST_WORKERS="${INFINILM_TEST_WORKERS:-2}"
 
 # pytest's exit code 5 means no tests were collected (e.g. a -k filter matched nothing).
 pytest_rc() { if [ "$1" = 5 ]; then log "no tests collected"; echo 0; else echo "$1"; fi; }
@@ -101,13 +104,13 @@ cmd_test() {
   local kernels_pid=$!
   log "pytest ${SERVICE_TIERS[*]} in the background (output: $state/service.log, printed when it ends)"
   set +e
-  "$VENV/bin/pytest" --durations=15 -o cache_dir=.pytest_cache/service "${SERVICE_TIERS[@]}" \
-    > "$state/service.log" 2>&1 &
+  "$VENV/bin/pytest" --durations=15 -n "$TEST_WORKERS" --dist loadfile --no-loadscope-reorder -o cache_dir=.pytest_cache/service \
+    "${SERVICE_TIERS[@]}" > "$state/service.log" 2>&1 &
   local service_pid=$!
   # An interrupted run takes the background pytest (and the workers it started) down with it.
   trap 'kill -- "$service_pid" "$kernels_pid" 2>/dev/null; exit 130' INT TERM
   log "pytest ${ENGINE_TIERS[*]}"
-  "$VENV/bin/pytest" --durations=15 "${ENGINE_TIERS[@]}"
+  "$VENV/bin/pytest" --durations=15 -n "$TEST_WORKERS" --dist loadfile --no-loadscope-reorder "${ENGINE_TIERS[@]}"
   engine_rc=$?
   log "waiting for ${SERVICE_TIERS[*]}"
   wait "$service_pid"

@@ -37,6 +37,29 @@ def suite_kv_cache_cap(monkeypatch):
     monkeypatch.setattr(engine_core, "plan_cache_layout", planned)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Across pytest-xdist processes (ops/dev.sh test), files start in collection order: the files holding
+    slow or reference tests (some a minute or two each) go first, so that none starts last, with the other
+    process idle. A serial run keeps the usual order."""
+    if not (config.getoption("numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER")):
+        return
+    heavy = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("reference")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: each file's own order is kept
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """Each test starts on the process's thread count, whatever the one before set (an engine's num_threads).
+    The count sets summation orders, and with them load-time choices: SmolLM2's calibrated fp8 perplexity
+    is 0.35% apart on 1 and 2 threads, so a test must not inherit another's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def write_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     """Save a random-weight HF model of the given family (llama, qwen2, qwen3) as safetensors."""
     import torch
