@@ -125,7 +125,8 @@ def build_flags(isa: str | None = None) -> list[str]:
 
 def load_kernels(isa: str | None = None) -> ModuleType:
     """The kernel module for `isa` (default target_isa()), built once per machine, torch install, source version
-    and instruction set (cached on disk: module_name) and loaded once per process. Raises ValueError for an instruction set this CPU lacks."""
+    and instruction set (cached on disk: module_name) and loaded once per process. Raises ValueError for an
+    instruction set this CPU lacks."""
     return _load_module(checked_isa(isa))
 
 

@@ -119,7 +119,9 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                               check=True).stdout
-        listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else ""
+        listing = ""
+        if sass:
+            listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs, stack, _, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text).groups())
     usage = {"registers": regs, "stack": stack, "local": local, "warps": options.num_warps,
              "shared": kernel.metadata.shared}

@@ -214,7 +214,6 @@ def test_a_deterministic_request_gives_the_same_bits_alone_and_in_a_batch_on_two
     assert [lp for lp, _ in alone.logprobs] == [lp for lp, _ in batched.logprobs]  # bitwise
 
 
-
 def test_rank_0_runs_on_its_share_of_the_cores_and_the_process_gets_its_thread_count_back(tiny_path):
     share = max(1, (os.cpu_count() or 1) // 2)
     before = torch.get_num_threads()
