@@ -460,3 +460,17 @@ def test_dockerfile_contract():
     declared = [*args, *(e.split("=")[0] for env in having("ENV") for e in env.split())]
     secrets = [name for name in declared if re.search(r"PASSWORD|SECRET|TOKEN|API_KEY|CREDENTIAL", name)]
     assert not secrets, f"secrets must not be build args or image env: {secrets}"
+
+
+def test_the_image_torch_brings_a_triton_that_takes_small_query_groups():
+    """torch 2.9 is the first to pin Triton 3.5 (tl.dot under 16 rows: group_rows); the GPU worker's compose
+    build defaults to the Dockerfile's torch, so the two cannot drift apart."""
+    args = dict(i.removeprefix("ARG").strip().partition("=")[::2] for i in dockerfile_instructions()
+                if i.split()[0] == "ARG")
+    major, minor = (int(x) for x in args["TORCH_VERSION"].split(".")[:2])
+    assert (major, minor) >= (2, 9), args["TORCH_VERSION"]
+    cuda_index = args["TORCH_INDEX_URL"].rsplit("/", 1)[-1]
+    assert cuda_index == "cu" + "".join(args["CUDA_VERSION"].split(".")[:2]), (cuda_index, args["CUDA_VERSION"])
+    gpu = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]["worker-gpu"]["build"]["args"]
+    assert gpu["TORCH_VERSION"] == f"${{TORCH_VERSION:-{args['TORCH_VERSION']}}}"
+    assert gpu["CUDA_VERSION"] == f"${{CUDA_VERSION:-{args['CUDA_VERSION']}}}"
