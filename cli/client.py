@@ -12,25 +12,53 @@ from pathlib import Path
 import msgspec
 import typer
 
+CONFIG_HELP = "config.yaml with the topic names and Kafka client settings (env INFINILM__* overrides it)."
 
-def _config(path: Path | None):
+
+def _config(path: Path | None, bootstrap: str | None):
     from worker.config import load_config
     from worker.config_types import ConfigError
 
     try:
-        return load_config(path)
+        cfg = load_config(path)
     except ConfigError as exc:
         typer.echo(f"config error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    if bootstrap:
+        cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap_servers=bootstrap))
+    return cfg
 
 
-def _kwargs(cfg, bootstrap: str | None) -> dict:
+def _kwargs(cfg) -> dict:
     from worker.kafka_clients import client_kwargs
 
     kwargs = client_kwargs(cfg.kafka)
-    if bootstrap:
-        kwargs["bootstrap_servers"] = bootstrap
+    kwargs.pop("client_id", None)
     return kwargs
+
+
+def _talk(cfg, work):
+    """Run `work` (a coroutine) against the broker; a broker that cannot be reached or a missing topic
+    is one line on stderr and exit code 1, never a traceback."""
+    from aiokafka.errors import KafkaError
+
+    from worker.client import MissingTopicError
+    from worker.kafka_clients import KafkaAccessError, check_kafka_access
+
+    async def checked():
+        # aiokafka's own start-up says only "Unable to bootstrap"; this check says why.
+        await check_kafka_access(cfg.kafka, "infinilm-cli")
+        return await work
+
+    try:
+        return asyncio.run(checked())
+    except (KafkaAccessError, MissingTopicError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+    except KafkaError as exc:
+        typer.echo(f"error: Kafka at {cfg.kafka.bootstrap_servers}: {exc}", err=True)  # names its type
+    finally:
+        work.close()  # a coroutine the check kept from starting would warn that it was never awaited
+    raise typer.Exit(1)
 
 
 def _as_json(obj) -> str:
@@ -43,9 +71,9 @@ def register(app: typer.Typer) -> None:
         kind: str = typer.Option("chat", help="chat, asr or risk."),
         text: str = typer.Option(..., "--text", "-t", help="chat: the user message; asr: the chunk; risk: an item (repeat with --item)."),
         request_id: str | None = typer.Option(None, "--id", help="Request id (default: a new uuid)."),
-        max_tokens: int = typer.Option(128, "--max-tokens"),
-        temperature: float = typer.Option(0.0),
-        seed: int | None = typer.Option(None),
+        max_tokens: int = typer.Option(128, "--max-tokens", help="chat: most tokens to generate."),
+        temperature: float = typer.Option(0.0, help="chat: 0 is greedy; higher is more random."),
+        seed: int | None = typer.Option(None, help="chat: seed for reproducible sampling."),
         stream: bool = typer.Option(False, "--stream", help="chat: also print token deltas as they arrive."),
         stream_id: str | None = typer.Option(None, "--stream-id", help="asr: the stream this chunk belongs to."),
         seq: int = typer.Option(0, help="asr: chunk sequence number."),
@@ -55,12 +83,24 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option("json", "--format", help="Wire format: json or msgpack."),
         wait: bool = typer.Option(False, "--wait", help="Wait for the committed result and print it."),
         timeout: float = typer.Option(120.0, help="Seconds to wait with --wait."),
-        config: Path | None = typer.Option(None, "--config", "-c"),
+        config: Path | None = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
         bootstrap: str | None = typer.Option(None, "--bootstrap", help="Override kafka.bootstrap_servers."),
     ) -> None:
-        from schemas import AsrRequest, ChatRequest, Message, RiskItem, RiskRequest
+        from schemas import (
+            AsrRequest,
+            ChatRequest,
+            Message,
+            RiskItem,
+            RiskRequest,
+            SchemaError,
+            validate_request,
+        )
+        from worker.client import CONTENT_TYPES
 
-        cfg = _config(config)
+        if fmt not in CONTENT_TYPES:
+            typer.echo(f"--format must be json or msgpack, got {fmt!r}", err=True)
+            raise typer.Exit(2)
+        cfg = _config(config, bootstrap)
         rid = request_id or str(uuid.uuid4())
         if kind == "chat":
             req = ChatRequest(id=rid, messages=[Message(role="user", content=text)], max_tokens=max_tokens,
@@ -74,8 +114,13 @@ def register(app: typer.Typer) -> None:
         else:
             typer.echo(f"unknown kind {kind!r}: use chat, asr or risk", err=True)
             raise typer.Exit(2)
+        try:
+            validate_request(req)  # what a worker would answer with invalid_request, said before sending
+        except SchemaError as exc:
+            typer.echo(f"not sent: {exc}", err=True)
+            raise typer.Exit(2) from None
         topic = cfg.topics.request_topics[kind]
-        result = asyncio.run(_produce(cfg, bootstrap, topic, req, fmt, wait, stream, timeout))
+        result = _talk(cfg, _produce(cfg, topic, req, fmt, wait, stream, timeout))
         if wait and result is None:
             typer.echo(f"no result for {rid} within {timeout:.0f}s (is a worker running?)", err=True)
             raise typer.Exit(1)
@@ -83,25 +128,24 @@ def register(app: typer.Typer) -> None:
     @app.command(help="Print records from a topic (results by default) as JSON lines.")
     def consume(
         topic: str = typer.Option("results", help="results, deltas, dlq, or a full topic name."),
-        from_beginning: bool = typer.Option(False, "--from-beginning"),
+        from_beginning: bool = typer.Option(False, "--from-beginning", help="Start at the oldest record, not at new ones."),
         limit: int | None = typer.Option(None, "--max", help="Stop after this many records."),
         timeout: float | None = typer.Option(None, help="Stop after this many idle seconds (default: run until Ctrl-C)."),
-        config: Path | None = typer.Option(None, "--config", "-c"),
-        bootstrap: str | None = typer.Option(None, "--bootstrap"),
+        config: Path | None = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+        bootstrap: str | None = typer.Option(None, "--bootstrap", help="Override kafka.bootstrap_servers."),
     ) -> None:
-        cfg = _config(config)
+        cfg = _config(config, bootstrap)
         role = topic if topic in ("results", "deltas", "dlq") else None
         name = getattr(cfg.topics, topic) if role else topic
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_consume(cfg, bootstrap, name, role, from_beginning, limit, timeout))
+            _talk(cfg, _consume(cfg, name, role, from_beginning, limit, timeout))
 
 
-async def _produce(cfg, bootstrap, topic, req, fmt, wait, stream, timeout):
+async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
     from worker.client import RequestProducer, TopicReader, collect_results
 
-    kwargs = _kwargs(cfg, bootstrap)
+    kwargs = _kwargs(cfg)
     servers = kwargs.pop("bootstrap_servers")
-    kwargs.pop("client_id", None)
     if not wait:
         async with RequestProducer(servers, **kwargs) as producer:
             await producer.send(topic, req, fmt)
@@ -139,13 +183,12 @@ async def _print_deltas(servers, kwargs, topic, rid, timeout):
                     return
 
 
-async def _consume(cfg, bootstrap, topic, role, from_beginning, limit, timeout):
+async def _consume(cfg, topic, role, from_beginning, limit, timeout):
     from schemas import SchemaError, decode_dead_letter, decode_delta, decode_result
     from worker.client import TopicReader
 
-    kwargs = _kwargs(cfg, bootstrap)
+    kwargs = _kwargs(cfg)
     servers = kwargs.pop("bootstrap_servers")
-    kwargs.pop("client_id", None)
     decoder = {"results": decode_result, "deltas": decode_delta, "dlq": decode_dead_letter}.get(role)
     count = 0
     async with TopicReader(servers, topic, from_beginning=from_beginning, **kwargs) as reader:

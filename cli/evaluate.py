@@ -47,8 +47,9 @@ def ppl_command(
                                                "(hosts with AVX512-BF16 or AMX), float32 keeps them exact."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Perplexity of a text under the engine, with a sliding window (every token after the first is
-    scored once, with up to CONTEXT - STRIDE tokens of context carried over)."""
+    """Perplexity of a text under the engine, over a sliding window.
+
+    Every token after the first is scored once, with up to CONTEXT - STRIDE tokens of context before it."""
     if quant not in (16, 8, 4):
         raise _fail(f"--quant must be 16, 8 or 4, got {quant}")
     if context < 2 or not 1 <= stride <= context:

@@ -55,8 +55,11 @@ def quantize_command(
                                    help="--no-calibrate: plain round-to-nearest, no calibration data (a baseline)."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it already holds files."),
 ) -> None:
-    """Quantize a model's weights with per-layer calibration and write a safetensors checkpoint plus
-    its quant config (config.json `quantization_config`). Serve it by passing the folder as the model."""
+    """Quantize a model's weights with per-layer calibration into a safetensors checkpoint.
+
+    The folder also gets its quant config (config.json `quantization_config`).
+
+    Serve it by passing the folder as the model."""
     if weight_format not in ("int", "fp8"):
         raise _fail(f"--format must be int or fp8, got {weight_format!r}")
     fp8 = weight_format == "fp8"

@@ -25,7 +25,7 @@ StateDirOption = Annotated[
 # never options, since every user can read a command line with `ps`.
 KafkaPortOption = Annotated[int, typer.Option("--kafka-port", help="Kafka's client listener.")]
 ControllerPortOption = Annotated[int, typer.Option("--controller-port", help="Kafka's KRaft controller listener.")]
-RedisPortOption = Annotated[int, typer.Option("--redis-port")]
+RedisPortOption = Annotated[int, typer.Option("--redis-port", help="redis-server's port.")]
 TlsPortOption = Annotated[
     int | None,
     typer.Option("--tls-port", help="Also serve SASL_SSL here, with a CA made in <state dir>/tls (needs users)."),
@@ -79,8 +79,11 @@ def up(
 
     The first run fetches the Kafka jars with Maven into $INFINILM_CACHE_DIR/kafka (a minute or two).
 
-    Later runs start in seconds. Safe to run again at any time. With --sasl-users-file (and
-    --tls-port, --redis-password-file) it starts a secured stack: give it its own --state-dir and ports.
+    Later runs start in seconds. Safe to run again at any time.
+
+    --sasl-users-file (with --tls-port, --redis-password-file) starts a secured stack instead.
+
+    A secured stack needs a --state-dir and ports of its own.
     """
     cfg = _config(
         state_dir, partitions=partitions, kafka_port=kafka_port, controller_port=controller_port,

@@ -12,26 +12,39 @@ import asyncio
 import time
 from collections.abc import Iterable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode
 
 CONTENT_TYPES = {"json": b"application/json", "msgpack": b"application/msgpack"}
 
 
+class MissingTopicError(RuntimeError):
+    """The topic has no partitions on the broker: it was never created (or was deleted)."""
+
+
 class RequestProducer:
     def __init__(self, bootstrap_servers: str, **kwargs) -> None:
         self._producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **kwargs)
+        self._topics: set[str] = set()  # seen in the broker's metadata
 
     async def __aenter__(self) -> RequestProducer:
-        await self._producer.start()
+        try:
+            await self._producer.start()
+        except BaseException:
+            await self._producer.stop()  # a failed start leaves its connections and tasks behind
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._producer.stop()
 
     async def send(self, topic: str, request, fmt: str = "msgpack", key: str | None = None) -> None:
-        """Send a request struct (or raw bytes, for tests of bad input)."""
+        """Send a request struct (or raw bytes, for tests of bad input). Raises MissingTopicError for a topic
+        the broker lacks, within seconds (aiokafka itself waits out its request timeout)."""
+        if topic not in self._topics:
+            await _partitions(self._producer.client, topic)
+            self._topics.add(topic)
         value = request if isinstance(request, bytes) else encode(request, fmt)
         rid = key if key is not None else getattr(request, "stream_id", None) or getattr(request, "id", None)
         await self._producer.send(topic, value, key=rid.encode() if rid else None,
@@ -41,17 +54,17 @@ class RequestProducer:
         await self._producer.flush()
 
 
-async def _partitions(consumer: AIOKafkaConsumer, topic: str, attempts: int = 50) -> list[TopicPartition]:
+async def _partitions(client: AIOKafkaClient, topic: str, attempts: int = 50) -> list[TopicPartition]:
     """The topic's partitions, waiting up to `attempts` tenths of a second for its metadata."""
     for _ in range(attempts):
         # An unassigned consumer's own metadata lacks the topic, and aiokafka has no
         # public per-topic lookup, so read a fresh full snapshot.
-        cluster = await consumer._client.fetch_all_metadata()
+        cluster = await client.fetch_all_metadata()
         partitions = cluster.partitions_for_topic(topic)
         if partitions:
             return [TopicPartition(topic, p) for p in sorted(partitions)]
         await asyncio.sleep(0.1)
-    raise RuntimeError(f"topic {topic!r} does not exist (run `infinilm stack up` to create topics)")
+    raise MissingTopicError(f"topic {topic!r} does not exist (run `infinilm stack up` to create topics)")
 
 
 async def start_group_at_end(bootstrap_servers: str, group_id: str, topics: Iterable[str],
@@ -69,7 +82,7 @@ async def start_group_at_end(bootstrap_servers: str, group_id: str, topics: Iter
                                 isolation_level="read_committed", **kwargs)
     await consumer.start()
     try:
-        tps = [tp for topic in topics for tp in await _partitions(consumer, topic)]
+        tps = [tp for topic in topics for tp in await _partitions(consumer._client, topic)]
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
         await consumer.commit(ends)
@@ -88,19 +101,19 @@ class TopicReader:
                                           enable_auto_commit=False, **kwargs)
 
     async def __aenter__(self) -> TopicReader:
-        await self._consumer.start()
         try:
-            tps = await _partitions(self._consumer, self.topic)
-        except RuntimeError:
+            await self._consumer.start()
+            tps = await _partitions(self._consumer._client, self.topic)
+            self._consumer.assign(tps)
+            if self._from_beginning:
+                await self._consumer.seek_to_beginning(*tps)
+            else:
+                ends = await self._consumer.end_offsets(tps)
+                for tp, off in ends.items():
+                    self._consumer.seek(tp, off)
+        except BaseException:
             await self._consumer.stop()
             raise
-        self._consumer.assign(tps)
-        if self._from_beginning:
-            await self._consumer.seek_to_beginning(*tps)
-        else:
-            ends = await self._consumer.end_offsets(tps)
-            for tp, off in ends.items():
-                self._consumer.seek(tp, off)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -119,6 +132,8 @@ class TopicReader:
             for recs in batch.values():
                 for rec in recs:
                     yield rec
+            if batch and timeout_s is not None:
+                deadline = time.monotonic() + timeout_s
 
 
 async def collect_results(reader: TopicReader, ids: Iterable[str], timeout_s: float,

@@ -137,7 +137,10 @@ async def check_kafka_access(kafka_cfg, client_id: str = "infinilm-check") -> No
 
 
 def _reason(exc: BaseException) -> str:
-    # aiokafka errors print as "[Error 58] SaslAuthenticationFailed: <broker's message>".
+    # aiokafka errors print as "[Error 58] SaslAuthenticationFailed: <broker's message>"; an OSError's
+    # first argument is its errno, so it reads by its strerror ("Connection refused").
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
     text = str(exc.args[0]) if exc.args else str(exc)
     return text.strip().rstrip(".")
 

@@ -1,13 +1,19 @@
-"""worker.client against the real broker: a new group can start at the topics' current end."""
+"""worker.client and the `infinilm produce` / `consume` commands against the real broker: a new group can
+start at the topics' current end; a request produced from the command line gets its committed result."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from typer.testing import CliRunner
 
-from worker.client import start_group_at_end
+from cli import app
+from worker.client import MissingTopicError, RequestProducer, start_group_at_end
+
+runner = CliRunner()
 
 
 async def _produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
@@ -55,3 +61,36 @@ def test_a_group_started_at_the_end_reads_only_what_comes_after(kafka_bootstrap,
 def test_starting_a_group_on_a_missing_topic_is_a_clear_error(kafka_bootstrap, unique_name):
     with pytest.raises(RuntimeError, match="does not exist"):
         asyncio.run(start_group_at_end(kafka_bootstrap, unique_name("group"), [unique_name("missing")]))
+
+
+def test_sending_to_a_missing_topic_is_a_clear_error_within_seconds(kafka_bootstrap, unique_name):
+    # aiokafka alone waits out its request timeout and then says "UnknownTopicOrPartitionError".
+    async def send() -> None:
+        async with RequestProducer(kafka_bootstrap) as producer:
+            await producer.send(unique_name("missing"), b"{}", "json")
+
+    with pytest.raises(MissingTopicError, match="does not exist"):
+        asyncio.run(send())
+
+
+def test_produce_waits_for_the_committed_result_and_consume_prints_it(worker_setup, unique_name):
+    _, start = worker_setup
+    worker = start()
+    worker.wait_ready()
+    config = str(worker.config)
+    answers = {}
+    for fmt in ("json", "msgpack"):
+        rid = unique_name(fmt)
+        result = runner.invoke(app, ["produce", "-c", config, "--text", "Say hi.", "--max-tokens", "4", "--id", rid,
+                                     "--format", fmt, "--stream", "--wait", "--timeout", "120"])
+        assert result.exit_code == 0, (result.output, worker.logs()[-3000:])
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+        assert (answer["id"], answer["status"], answer["kind"]) == (rid, "ok", "chat"), answer
+        assert 1 <= answer["usage"]["completion_tokens"] <= 4
+        assert answer["text"] in result.stderr  # --stream printed the deltas as they came
+        answers[rid] = answer
+    printed = runner.invoke(app, ["consume", "-c", config, "--from-beginning", "--max", "2", "--timeout", "30"])
+    assert printed.exit_code == 0, printed.output
+    assert {json.loads(line)["id"]: json.loads(line) for line in printed.stdout.splitlines()} == answers
+    missing = runner.invoke(app, ["consume", "-c", config, "--topic", unique_name("missing"), "--timeout", "1"])
+    assert missing.exit_code == 1 and "does not exist" in missing.stderr, missing.output

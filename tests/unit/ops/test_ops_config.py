@@ -470,7 +470,8 @@ def test_the_image_torch_brings_a_triton_that_takes_small_query_groups():
     major, minor = (int(x) for x in args["TORCH_VERSION"].split(".")[:2])
     assert (major, minor) >= (2, 9), args["TORCH_VERSION"]
     cuda_index = args["TORCH_INDEX_URL"].rsplit("/", 1)[-1]
-    assert cuda_index == "cu" + "".join(args["CUDA_VERSION"].split(".")[:2]), (cuda_index, args["CUDA_VERSION"])
+    cuda = args["CUDA_VERSION"]
+    assert cuda_index == "cu" + "".join(cuda.split(".")[:2]), (cuda_index, cuda)
     gpu = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]["worker-gpu"]["build"]["args"]
     assert gpu["TORCH_VERSION"] == f"${{TORCH_VERSION:-{args['TORCH_VERSION']}}}"
-    assert gpu["CUDA_VERSION"] == f"${{CUDA_VERSION:-{args['CUDA_VERSION']}}}"
+    assert gpu["CUDA_VERSION"] == f"${{CUDA_VERSION:-{cuda}}}"

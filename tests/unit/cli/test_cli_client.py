@@ -1,0 +1,97 @@
+"""`infinilm produce` and `infinilm consume` without a broker: what a bad request or an unreachable broker
+looks like (one line, an exit code, nothing sent), and the client pieces under them. With a real broker and
+worker: tests/integration/test_client.py."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import warnings
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from worker import client as client_module
+from worker.client import RequestProducer, TopicReader
+
+runner = CliRunner()
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--max-tokens", "0"], "`$.max_tokens`"),
+    (["--temperature", "3"], "`$.temperature`"),
+    (["--kind", "asr", "--seq", "-1"], "`$.seq`"),
+    (["--kind", "risk", "--label", "yes", "--label", "yes"], "duplicate value 'yes'"),
+])
+def test_a_request_a_worker_would_refuse_is_not_sent(args, says):
+    # The broker address answers nothing: had the command tried to send, it would say so instead.
+    result = runner.invoke(app, ["produce", "--text", "hi", "--bootstrap", f"127.0.0.1:{closed_port()}", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("not sent: invalid_request: ") and says in result.stderr, result.stderr
+    assert "Traceback" not in result.output and result.stdout == ""
+
+
+def test_an_unknown_wire_format_is_one_line_and_exit_code_2():
+    result = runner.invoke(app, ["produce", "--text", "hi", "--format", "xml"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "--format must be json or msgpack, got 'xml'"
+
+
+@pytest.mark.parametrize("command", [["produce", "--text", "hi"], ["consume", "--max", "1", "--timeout", "1"]])
+def test_an_unreachable_broker_is_one_line_and_exit_code_1(command):
+    port = closed_port()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = runner.invoke(app, [*command, "--bootstrap", f"127.0.0.1:{port}"])
+        gc.collect()
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no Kafka broker let this client in"), lines
+    assert f"127.0.0.1:{port}" in lines[0] and "Connect call failed" in lines[0]
+    assert not [w for w in caught if "never awaited" in str(w.message) or "Unclosed" in str(w.message)]
+
+
+def test_clients_that_fail_to_start_close_what_they_opened():
+    server = f"127.0.0.1:{closed_port()}"
+
+    async def start(make):
+        client = make()
+        with pytest.raises(Exception, match="Unable to bootstrap"):
+            async with client:
+                raise AssertionError("started against a closed port")
+        return client
+
+    producer = asyncio.run(start(lambda: RequestProducer(server, request_timeout_ms=2000)))
+    reader = asyncio.run(start(lambda: TopicReader(server, "t", request_timeout_ms=2000)))
+    # aiokafka warns "Unclosed AIOKafkaProducer/Consumer" when one is collected unstopped.
+    assert producer._producer._closed and reader._consumer._closed
+
+
+def test_consume_timeout_counts_idle_seconds(monkeypatch):
+    """--timeout stops after that long without a record: records that keep coming keep the reader going."""
+    clock = [0.0]
+    arrivals = {0.4, 0.8, 1.2, 1.6, 2.0}  # one record every 0.4 s, against a 1 s idle timeout
+
+    class Consumer:
+        async def getmany(self, timeout_ms: int):
+            clock[0] = round(clock[0] + 0.2, 1)
+            return {"tp": [f"record at {clock[0]}"]} if clock[0] in arrivals else {}
+
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: clock[0])
+    reader = TopicReader.__new__(TopicReader)
+    reader._consumer = Consumer()
+
+    async def read() -> list[str]:
+        return [rec async for rec in reader.records(1.0)]
+
+    assert asyncio.run(read()) == [f"record at {t}" for t in sorted(arrivals)]
+    assert clock[0] == pytest.approx(3.0)  # the last record came at 2.0; one idle second later it stopped
