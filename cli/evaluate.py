@@ -55,6 +55,11 @@ def ppl_command(
     if context < 2 or not 1 <= stride <= context:
         raise _fail(f"need --context >= 2 and 1 <= --stride <= --context; got {context} and {stride}")
 
+    try:
+        content = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # a score of replacement characters would measure nothing
+        raise _fail(f"{text} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
+
     from rich.console import Console
     from rich.progress import Progress
 
@@ -73,7 +78,7 @@ def ppl_command(
                   max_model_len=context + 1, max_num_batched_tokens=max(2048, context + 1))
     except (ModelNotFoundError, ModelLoadError, RequestError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    ids = llm.tokenizer.encode(text.read_text(errors="replace"))[:max_tokens]
+    ids = llm.tokenizer.encode(content)[:max_tokens]
     if len(ids) < 2:
         raise _fail(f"{text} holds {len(ids)} token(s); perplexity needs at least 2")
     start = time.perf_counter()

@@ -63,10 +63,15 @@ def read_calibration_texts(path: str | Path | None = None) -> list[str]:
     path = Path(path) if path is not None else DEFAULT_CALIBRATION_FILE
     if not path.is_file():
         raise ModelLoadError(f"calibration file {path} does not exist")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"calibration file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                             f"offset {exc.start})") from None
     if path.suffix.lower() != ".jsonl":
-        return [path.read_text()]
+        return [content]
     texts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -65,6 +65,11 @@ def test_quantize_rejects_bad_input(tiny_llama, tmp_path):
     bad_jsonl.write_text('{"text": "fine"}\nnot json\n')
     broken = quantize(tiny_llama, tmp_path / "c", "--bits", "8", "--calib", str(bad_jsonl))
     assert broken.exit_code == 1 and "calib.jsonl:2: not JSON" in broken.output
+    binary = tmp_path / "calib.txt"
+    binary.write_bytes(b"text, then \xd0\x00 bytes of a binary")
+    refused = quantize(tiny_llama, tmp_path / "d", "--bits", "8", "--calib", str(binary))
+    assert refused.exit_code == 1 and "calib.txt is not UTF-8 text (byte 0xd0 at offset 11)" in refused.output
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
 
 
 def test_uncalibrated_quantization_is_marked_and_differs_from_calibrated(tiny_llama, tmp_path):
@@ -91,6 +96,9 @@ def test_eval_ppl_reports_json(tiny_llama, tmp_path):
     assert 1 < report["perplexity"] < 320  # better than nothing, no better than certain
     bad = runner.invoke(app, ["eval", "ppl", "--model", str(tiny_llama), "--text", str(text), "--quant", "5"])
     assert bad.exit_code == 1 and "--quant must be 16, 8 or 4" in bad.output
+    text.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff")  # a binary would be scored as replacement characters
+    binary = runner.invoke(app, ["eval", "ppl", "--model", str(tiny_llama), "--text", str(text)])
+    assert binary.exit_code == 1 and "t.txt is not UTF-8 text (byte 0xff at offset 8)" in binary.output
 
 
 def test_max_cache_ratio_bounds_the_pool_and_int8_fits_more_blocks():
