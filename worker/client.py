@@ -80,8 +80,8 @@ async def start_group_at_end(bootstrap_servers: str, group_id: str, topics: Iter
     """
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False,
                                 isolation_level="read_committed", **kwargs)
-    await consumer.start()
     try:
+        await consumer.start()
         tps = [tp for topic in topics for tp in await _partitions(consumer._client, topic)]
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
