@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -249,8 +250,10 @@ class EngineCore:
                 raise InvalidRequestError("this model has no tokenizer; send token ids")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            return None, [_as_token_id(t) for t in prompt]
+        hint = " (pass .tolist())" if hasattr(prompt, "tolist") else ""
+        raise InvalidRequestError(
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}{hint}")
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
@@ -397,3 +400,14 @@ def _may_overlap(sched: SchedulerOutput) -> bool:
     """Whether the next step may be built before this one's tokens are known: not when a request
     that samples in it bans phrases, since the ban depends on the token just sampled."""
     return not any(s.sample and s.banned for s in sched.scheduled)
+
+
+def _as_token_id(value: object) -> object:
+    """numpy and torch integers as Python ints (operator.index); anything else as it is, for the range check
+    to refuse (bools, floats and float tensors are no token ids)."""
+    if isinstance(value, (int, bool)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value

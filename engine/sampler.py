@@ -140,8 +140,9 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     k = to_device([kk if kk > 0 else vocab for kk in top_ks], device).unsqueeze(1)
     drop = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
+    # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays). The most likely
+    # token always stays: a top_p that rounds to 0 in float32 would otherwise drop every token.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= to_device(top_ps, device, probs.dtype).unsqueeze(1)
+    drop[:, 1:] |= mass_before[:, 1:] >= to_device(top_ps, device, probs.dtype).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

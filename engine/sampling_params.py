@@ -16,7 +16,7 @@ MAX_TOKENS_LIMIT = 1 << 20
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 disable those
+    temperature == 0 means greedy. top_k 0 or -1 and top_p == 1 disable those
     filters. A `seed` gives the request its own generator, so the same seed
     gives the same tokens whatever else shares the batch.
     """
@@ -79,17 +79,22 @@ class SamplingParams:
             raise bad(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad(f"seed must be an integer, got {self.seed!r}")
+        # A request's generator takes the seed as a 64-bit value, signed or not (the wire schema's bounds).
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise bad(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.banned_phrases):
             raise bad("banned phrases must be non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.score_positions):
             raise bad("score_positions must be integers >= 1 (a token is scored given the tokens before it)")
-        if not isinstance(self.speculative, bool):
-            raise bad(f"speculative must be true or false, got {self.speculative!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "deterministic", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 
     @property

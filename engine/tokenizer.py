@@ -82,15 +82,20 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        for message in messages:
+        for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise InvalidRequestError("each chat message needs 'role' and 'content'")
+            # Templates concatenate them as text; anything else renders as its repr, or fails inside jinja.
+            for key in ("role", "content"):
+                if not isinstance(message[key], str):
+                    raise InvalidRequestError(
+                        f"message {i}: '{key}' must be a string, got {type(message[key]).__name__}")
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
 
 

@@ -105,6 +105,65 @@ def test_chat_applies_the_template(llm):
     assert out.prompt_token_ids == expected
 
 
+def test_chat_content_that_is_not_text_fails_its_conversation_alone(llm):
+    outs = llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": None}],
+                     [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]], GREEDY)
+    assert outs[0].error is None and len(outs[0].token_ids) == 12
+    assert outs[1].error.code == "invalid_request" and "message 0: 'content' must be a string, got NoneType" in str(
+        outs[1].error)
+    assert outs[2].error.code == "invalid_request" and "got list" in str(outs[2].error)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda llm: llm.chat("hello"), "chat takes a conversation"),
+    (lambda llm: llm.chat({"role": "user", "content": "hi"}), "chat takes a conversation"),
+    (lambda llm: llm.generate(None), "prompts must be a string"),
+    (lambda llm: llm.generate(5), "prompts must be a string"),
+    (lambda llm: llm.generate(["a"], {"max_tokens": 3}), "params must be a SamplingParams or a list of them"),
+    (lambda llm: llm.generate(["a", "b"], masks=[None]), "got 1 masks for 2 prompts"),
+])
+def test_arguments_of_the_wrong_shape_are_a_clear_error(llm, call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_and_torch_integer_ids_and_tuples_are_prompts(llm):
+    import numpy as np
+    import torch
+
+    ids = llm.tokenizer.encode("hello world")
+    plain = llm.generate([ids], GREEDY)[0]
+    for prompt in (tuple(ids), [np.int64(t) for t in ids], [torch.tensor(t) for t in ids]):
+        (out,) = llm.generate(prompt, GREEDY)
+        assert out.error is None and out.token_ids == plain.token_ids
+    (array,) = llm.generate([np.array(ids)], GREEDY)
+    assert array.error.code == "invalid_request" and "got ndarray (pass .tolist())" in str(array.error)
+    (floats,) = llm.generate([[1.0, 2.0]], GREEDY)
+    assert floats.error.code == "invalid_request"
+
+
+def test_a_call_that_ends_early_leaves_nothing_for_the_next(llm, monkeypatch):
+    """An interrupted call (Ctrl-C, an exception out of a step) aborts its requests: the next call gets its
+    own outputs, not the first call's."""
+    engine = llm.engine
+    real_step, steps = engine.step, []
+
+    def interrupted_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a long story about a dragon"], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    monkeypatch.setattr(engine, "step", real_step)
+    (out,) = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert out.prompt == "hello" and len(out.token_ids) == 4
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0.0
+
+
 def test_prefix_cache_reports_cached_tokens_and_kv_events(llm):
     prompt = "a shared system prompt that is long enough to fill several blocks"
     llm.engine.take_kv_events()

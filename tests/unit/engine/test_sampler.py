@@ -39,6 +39,26 @@ def test_top_k_one_and_tiny_top_p_reduce_to_greedy():
     assert sample(logits.clone(), params, gens).token_ids == logits.argmax(-1).tolist()
 
 
+def test_a_top_p_below_float32_keeps_the_most_likely_token():
+    """1e-40 is a float32 denormal, 0 where the CPU flushes them, as the engine's CPU steps do: the top token
+    still stays, never none."""
+    logits = logits_rows(2)
+    params = [SamplingParams(temperature=1.0, top_p=1e-40, seed=1), SamplingParams(temperature=1.0, top_p=1e-45)]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    torch.set_flush_denormal(True)
+    try:
+        assert sample(logits.clone(), params, gens).token_ids == logits.argmax(-1).tolist()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_seeds_at_the_ends_of_the_64_bit_range_are_taken():
+    for seed in (-(1 << 63), (1 << 64) - 1):
+        logits = logits_rows(1)
+        params = SamplingParams(temperature=1.0, seed=seed)
+        assert 0 <= sample(logits, [params], [torch.Generator().manual_seed(seed)]).token_ids[0] < 50
+
+
 def test_top_k_limits_the_support():
     logits = logits_rows(1, seed=3)
     allowed = set(logits[0].topk(3).indices.tolist())
@@ -95,7 +115,9 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 @pytest.mark.parametrize("kwargs", [
     {"max_tokens": -1}, {"max_tokens": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": float("nan")},
     {"temperature": -0.1}, {"top_k": -2}, {"min_p": 2.0}, {"seed": "x"}, {"stop": [""]}, {"logprobs": 100},
-    {"max_tokens": True},
+    {"max_tokens": True}, {"logprobs": True}, {"stop_token_ids": [True]}, {"seed": 1 << 64}, {"seed": -(1 << 63) - 1},
+    {"ignore_eos": "no"}, {"deterministic": "no"}, {"skip_special_tokens": None},
+    {"include_stop_str_in_output": 1}, {"speculative": 0},
 ])
 def test_invalid_parameters_raise_invalid_request(kwargs):
     with pytest.raises(InvalidRequestError) as info:
