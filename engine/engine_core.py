@@ -55,7 +55,12 @@ log = logging.getLogger(__name__)
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise ModelLoadError(f"device {name!r}: this host has {count} CUDA device(s); use 'cpu' or 'auto'")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -173,7 +178,8 @@ class EngineCore:
             self.parallel.check()
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any. Idempotent; the engine cannot step afterwards."""
+        """Stop the tensor-parallel ranks, if any. Idempotent. A tensor-parallel engine cannot step afterwards;
+        a single-process one holds no ranks and keeps working."""
         if self.parallel is not None:
             self.parallel.shutdown()
 
@@ -225,6 +231,8 @@ class EngineCore:
                 f"{len(token_ids) - mask.start}"
             )
         req = Request(request_id, token_ids, params, self.eos_token_ids, mask, arrival_time, prompt_text, spans)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a model with a tokenizer (stop_token_ids work without)")
         if params.banned_phrases:
             if self.tokenizer is None:
                 raise InvalidRequestError("banned phrases need a model with a tokenizer")

@@ -213,7 +213,7 @@ class EngineOptions(Settings):
     cpu_kv_cache_cap_bytes: Bytes = 2 << 30
     # A fixed number of KV blocks, overriding the memory settings; for tests that force preemption.
     num_kv_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    attention_backend: str = "auto"
+    attention_backend: Literal["auto", "torch", "cpu_paged", "triton", "flash_attn"] = "auto"
     seed: int = 0
     # "safetensors" loads the checkpoint; "dummy" fills random weights from config.json
     # alone (benchmarks of model shapes we have no weights for).

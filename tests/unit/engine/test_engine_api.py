@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, BlockStored, SamplingParams
 
@@ -211,6 +212,20 @@ def test_dummy_load_format_needs_only_config_json(tmp_path, tiny_llama):
     llm = LLM(model=str(tmp_path), dtype="float32", load_format="dummy", num_kv_blocks=16)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.error is None and len(out.token_ids) == 4
+    # Without a tokenizer a stop string could never match: refused, where it was ignored.
+    (stopped,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop=["x"]))
+    assert stopped.error.code == "invalid_request" and "stop strings need a model with a tokenizer" in str(
+        stopped.error)
+
+
+def test_a_bad_attention_backend_or_a_missing_gpu_is_refused_before_the_model_loads(tiny_llama):
+    from engine.errors import InvalidRequestError, ModelLoadError
+
+    with pytest.raises(InvalidRequestError, match="attention_backend must be 'auto', 'torch', 'cpu_paged'"):
+        LLM(model=str(tiny_llama), attention_backend="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="device 'cuda:0': this host has 0 CUDA device"):
+            LLM(model=str(tiny_llama), device="cuda:0")
 
 
 def test_building_and_running_a_model_imports_neither_dynamo_nor_triton(tiny_llama):
