@@ -5,7 +5,7 @@ prompt (each as a line beginning with `##必须遵守:`, through the configurabl
 template). Rules that begin with a directive are also checked on the output:
 
     forbid: <phrase>            the phrase must not appear (also blocked while decoding)
-    forbid_regex: <pattern>     no match of the regular expression may appear
+    forbid_regex: <pattern>     no match of the regular expression (RE2 syntax) may appear
     format: json                the whole output must be valid JSON
     numbers_from_context        every number in the output must appear in the conversation
 
@@ -19,11 +19,17 @@ import re
 from dataclasses import dataclass
 
 import jinja2
+import re2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 RULE_KINDS = ("forbid", "forbid_regex", "format_json", "numbers_from_context")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*")
 STRICT_LINE = "Your previous answer broke these rules: {broken}. Follow every rule exactly."
+# A request's pattern runs on the worker's event loop: RE2 matches in time linear in the text, where a
+# backtracking engine can take hours on a pattern such as (\D*)*\d. So no backreferences or lookaround.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is the request's error, not a line on the worker's stderr
+_RE2_OPTIONS.max_mem = 8 << 20  # per compiled pattern
 
 
 class RuleError(ValueError):
@@ -35,6 +41,7 @@ class Rule:
     kind: str  # one of RULE_KINDS, or "instruction" for prompt-only rules
     argument: str
     text: str  # the line as written
+    pattern: object = None  # forbid_regex: the compiled RE2 pattern
 
     @property
     def prompt_line(self) -> str:
@@ -64,10 +71,12 @@ def parse_rule(line: str) -> Rule:
         return Rule("forbid", arg, text)
     if sep and key == "forbid_regex" and arg:
         try:
-            re.compile(arg)
-        except re.error as exc:
-            raise RuleError(f"rule {text!r}: not a valid regular expression ({exc})") from exc
-        return Rule("forbid_regex", arg, text)
+            pattern = re2.compile(arg, options=_RE2_OPTIONS)
+        except re2.error as exc:
+            reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else exc
+            raise RuleError(f"rule {text!r}: not a regular expression RE2 takes ({reason}; RE2 has no "
+                            "backreferences or lookaround)") from None
+        return Rule("forbid_regex", arg, text, pattern)
     if sep and key == "format":
         if arg.lower() != "json":
             raise RuleError(f"rule {text!r}: the only checked format is json")
@@ -105,7 +114,7 @@ class RuleSet:
         for rule in self.rules:
             if rule.kind == "forbid" and rule.argument.lower() in lowered:
                 found.append(Violation("forbid", f'contains the forbidden phrase "{rule.argument}"'))
-            elif rule.kind == "forbid_regex" and (m := re.search(rule.argument, output)):
+            elif rule.kind == "forbid_regex" and (m := rule.pattern.search(output)):
                 found.append(Violation("forbid_regex", f"matches {rule.argument!r} at {m.start()}: {m.group(0)[:40]!r}"))
             elif rule.kind == "format_json":
                 try:

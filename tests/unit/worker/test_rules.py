@@ -38,6 +38,20 @@ def test_rules_parse_into_kinds_and_prompt_lines():
         parse_rule("format: yaml")
 
 
+@pytest.mark.timeout(60)  # a backtracking engine runs this check for longer than the universe has existed
+def test_a_request_pattern_cannot_stall_the_worker():
+    rs = RuleSet(["forbid_regex: (\\D*)*\\d"], DEFAULT_RULES_TEMPLATE)
+    assert rs.check("Say hello and ask how you can help. " * 200, "") == []
+    assert [v.rule for v in rs.check("a" * 5000 + "7", "")] == ["forbid_regex"]
+
+
+@pytest.mark.parametrize("pattern", ["(a)\\1", "(?=x)a", "(?<!x)a"])
+def test_patterns_re2_cannot_run_in_linear_time_are_refused_by_name(pattern, capfd):
+    with pytest.raises(RuleError, match=r"not a regular expression RE2 takes .*no backreferences or lookaround"):
+        parse_rule(f"forbid_regex: {pattern}")
+    assert capfd.readouterr().err == ""  # RE2's own log line stays off the worker's stderr
+
+
 def test_checks_find_each_kind_of_violation():
     rs = RuleSet(["forbid: guaranteed returns", "forbid_regex: \\d{3}-\\d{2}-\\d{4}", "format: json",
                   "numbers_from_context"], DEFAULT_RULES_TEMPLATE)
