@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
         elif kind == "risk":
             texts = [text, *item]
             req = RiskRequest(id=rid, items=[RiskItem(id=str(i), text=t) for i, t in enumerate(texts)],
-                              labels=label or list(cfg.risk.default_labels))
+                              labels=list(label))  # none: the worker's risk.default_labels
         else:
             typer.echo(f"unknown kind {kind!r}: use chat, asr or risk", err=True)
             raise typer.Exit(2)

@@ -109,8 +109,8 @@ class ChatRequest(_RequestBase, tag="chat", kw_only=True):
 
     Defaults follow OpenAI where it has one: temperature 1.0 and top_p 1.0 mean
     "sample from the model as is". `max_tokens` has no OpenAI default (it runs to
-    the context limit); ours is 256 so a forgotten limit cannot hold a slot for
-    minutes.
+    the context limit); None (left out) takes the worker's chat.default_max_tokens,
+    256 unless configured, so a forgotten limit cannot hold a slot for minutes.
 
     - `temperature`: 0 means greedy; at most 2, as in OpenAI.
     - `top_k`: -1 (or 0) disables it.
@@ -131,7 +131,7 @@ class ChatRequest(_RequestBase, tag="chat", kw_only=True):
     kind: ClassVar[str] = "chat"
 
     messages: list[Message]
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -180,13 +180,14 @@ class RiskItem(msgspec.Struct, frozen=True, kw_only=True):
 class RiskRequest(_RequestBase, tag="risk", kw_only=True):
     """Score each item against every label (topic `infinilm.requests.risk`).
 
-    `instruction` replaces the default task description given to the model.
+    `instruction` replaces the default task description given to the model;
+    `labels` left out (or empty) are the worker's risk.default_labels.
     """
 
     kind: ClassVar[str] = "risk"
 
     items: list[RiskItem]
-    labels: list[str]
+    labels: list[str] = msgspec.field(default_factory=list)
     instruction: str | None = None
 
 

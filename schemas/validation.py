@@ -137,7 +137,8 @@ def validate_chat(req: ChatRequest, limits: RequestLimits = DEFAULT_LIMITS) -> N
                 check.text(part.text, f"messages[{i}].content[{j}].text", limits.max_text_chars)
             elif isinstance(part, ImageURLPart) and not part.image_url.url:
                 raise check.fail("must not be empty", f"messages[{i}].content[{j}].image_url.url")
-    check.int_range(req.max_tokens, "max_tokens", 1, limits.max_tokens)
+    if req.max_tokens is not None:
+        check.int_range(req.max_tokens, "max_tokens", 1, limits.max_tokens)
     check.finite(req.temperature, "temperature")
     if not 0.0 <= req.temperature <= MAX_TEMPERATURE:
         raise check.fail(f"must be in [0, {MAX_TEMPERATURE}], got {req.temperature}", "temperature")
@@ -189,7 +190,7 @@ def validate_risk(req: RiskRequest, limits: RequestLimits = DEFAULT_LIMITS) -> N
             raise check.fail(f"duplicate item id {_short(item.id)}", f"items[{i}].id")
         item_ids.add(item.id)
         check.text(item.text, f"items[{i}].text", limits.max_text_chars)
-    check.count(req.labels, "labels", limits.max_labels)
+    check.count(req.labels, "labels", limits.max_labels, non_empty=False)  # none: the worker's defaults
     for i, label in enumerate(req.labels):
         check.text(label, f"labels[{i}]", limits.max_name_chars, non_empty=True)
     check.unique(req.labels, "labels")

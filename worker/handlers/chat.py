@@ -13,16 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import RequestError, RequestOutput, SamplingParams
-from schemas import ChatRequest, Compliance, Result, Usage, Violation
+from schemas import DEFAULT_MAX_TOKENS, ChatRequest, Compliance, Result, Usage, Violation
 from worker.handlers import HandlerContext, Prepared, Work
 from worker.handlers.images import image_parts, template_messages
 from worker.rules import STRICT_LINE, RuleError, RuleSet
 
 
 def sampling_params_for(req: ChatRequest, *, banned: tuple[str, ...] = (), deterministic: bool = False,
-                        speculative: bool = False) -> SamplingParams:
+                        speculative: bool = False, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
     return SamplingParams(
-        max_tokens=req.max_tokens,
+        max_tokens=req.max_tokens if req.max_tokens is not None else default_max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
@@ -83,7 +83,8 @@ class ChatHandler:
         check_length(token_ids, ctx, extra)
         deterministic = req.deterministic if req.deterministic is not None else ctx.config.execution.deterministic
         params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic,
-                                     speculative=ctx.config.speculative.chat)
+                                     speculative=ctx.config.speculative.chat,
+                                     default_max_tokens=ctx.config.chat.default_max_tokens)
         # A repair attempt streams nothing: the first attempt's deltas were already sent.
         return Work(token_ids, params, stream=req.stream and state.attempt == 0, images=state.images,
                     image_positions=extra)

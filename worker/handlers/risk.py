@@ -31,10 +31,15 @@ class Segment:
     label_positions: tuple[int, ...]
 
 
+def labels_of(req: RiskRequest, ctx: HandlerContext) -> list[str]:
+    """The request's labels, or the worker's risk.default_labels when it names none."""
+    return list(req.labels) or list(ctx.config.risk.default_labels)
+
+
 def risk_template(ctx: HandlerContext, req: RiskRequest) -> tuple[list[int], list[int]]:
     """Token ids of the prompt before and after the item text."""
     instruction = req.instruction or ctx.config.risk.instruction
-    labels = ", ".join(req.labels)
+    labels = ", ".join(labels_of(req, ctx))
     messages = [
         {"role": "system", "content": f"{instruction}\nLabels: {labels}."},
         {"role": "user", "content": f"Text: {ITEM_MARK}"},
@@ -64,7 +69,7 @@ class RiskHandler:
     async def prepare(self, req: RiskRequest, ctx: HandlerContext) -> Prepared:
         tok = ctx.tokenizer
         head, tail = risk_template(ctx, req)
-        label_ids = [tok.encode(" " + label, add_special_tokens=False) for label in req.labels]
+        label_ids = [tok.encode(" " + label, add_special_tokens=False) for label in labels_of(req, ctx)]
         pending: list[tuple[list[int], int, int, int]] = []
         for i, item in enumerate(req.items):
             item_ids = tok.encode(item.text, add_special_tokens=False)
@@ -92,7 +97,8 @@ class RiskHandler:
 
     async def finish(self, req: RiskRequest, prepared: Prepared, outputs: list[RequestOutput],
                      ctx: HandlerContext) -> Result:
-        ll = [[0.0] * len(req.labels) for _ in req.items]
+        labels = labels_of(req, ctx)
+        ll = [[0.0] * len(labels) for _ in req.items]
         for layout, out in zip(prepared.state, outputs, strict=True):
             scores = out.prompt_logprobs or {}
             for seg in layout:
@@ -102,7 +108,7 @@ class RiskHandler:
             top = max(lls)
             weights = [math.exp(x - top) for x in lls]
             total = sum(weights)
-            probs = {label: w / total for label, w in zip(req.labels, weights, strict=True)}
+            probs = {label: w / total for label, w in zip(labels, weights, strict=True)}
             items.append(RiskItemResult(id=item.id, scores=probs, label=max(probs, key=probs.get)))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         cached = sum(o.num_cached_tokens for o in outputs)
