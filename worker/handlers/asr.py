@@ -104,7 +104,9 @@ class AsrHandler:
     async def finish(self, req: AsrRequest, prepared: Prepared, outputs: list[RequestOutput],
                      ctx: HandlerContext) -> Result:
         (out,) = outputs
-        corrected = drop_repeated_context(prepared.state, out.text.strip(), req.text) or req.text.strip()
+        corrected = drop_repeated_context(prepared.state, out.text.strip(), req.text)
+        if not keeps_the_chunk(corrected, req.text):
+            corrected = req.text.strip()
         corrected = capitalize_after_sentence(prepared.state, corrected)
         committed = f"{prepared.state} {corrected}".strip()
         result = Result(id=req.id, kind="asr", text=corrected, finish_reason=out.finish_reason,
@@ -164,6 +166,17 @@ def drop_repeated_context(committed: str, corrected: str, chunk: str) -> str:
             rest = corrected[head[k - 1].end():]
             return rest.lstrip(" \t,;:.!?-").strip()
     return corrected
+
+
+def keeps_the_chunk(corrected: str, chunk: str) -> bool:
+    """Whether `corrected` is a correction of `chunk` at all. A small model answers some short chunks
+    ("um", "first", silence) with the instruction itself or a remark about the transcript; such an answer
+    shares no word with the chunk, and the chunk as heard is the better text. A silent chunk stays silent."""
+    heard = set(_words(chunk))
+    said = set(_words(corrected))
+    if not heard:
+        return not said
+    return bool(heard & said) and _words(INSTRUCTION)[:4] != _words(corrected)[:4]
 
 
 def capitalize_after_sentence(committed: str, corrected: str) -> str:

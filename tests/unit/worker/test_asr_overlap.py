@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.handlers.asr import capitalize_after_sentence, drop_repeated_context
+from worker.handlers.asr import capitalize_after_sentence, drop_repeated_context, keeps_the_chunk
 
 CASES = [
     # The model restated the last sentence before correcting the chunk (seen in the demo with SmolLM2).
@@ -41,3 +41,19 @@ def test_drop_repeated_context(committed, corrected, chunk, expected):
 ])
 def test_capitalize_after_sentence(committed, corrected, expected):
     assert capitalize_after_sentence(committed, corrected) == expected
+
+
+@pytest.mark.parametrize(("corrected", "chunk", "kept"), [
+    ("Okay, so the thing is...", "okay so the thing is", True),
+    ("Tuesday.", "tuesday", True),  # case and punctuation are the correction
+    # Answers seen from SmolLM2 for short chunks: the instruction, or a remark; they share no word with the chunk.
+    ("Rewrite this speech transcript with correct capitalization and punctuation.", "first", False),
+    ("The speech transcript is:", "yeah", False),
+    ("Rewrite this speech transcript with correct capitalization and punctuation.", "", False),
+    ("", "", True),  # a silent chunk stays silent
+    ("", "um", False),  # an empty answer to words: the words as heard
+    # The instruction's own words, even where the chunk shares one of them.
+    ("Rewrite this speech transcript with correct capitalization.", "the speech went well", False),
+])
+def test_keeps_the_chunk(corrected, chunk, kept):
+    assert keeps_the_chunk(corrected, chunk) is kept
