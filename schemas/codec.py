@@ -16,7 +16,7 @@ import msgspec
 from schemas.dead_letter import DeadLetter
 from schemas.errors import ErrorCode, SchemaError
 from schemas.kv_events import KVEventBatch
-from schemas.requests import KINDS, Request
+from schemas.requests import KINDS, AsrRequest, Request
 from schemas.results import Delta, Result
 from schemas.validation import DEFAULT_LIMITS, RequestLimits, usable_id, validate_request
 from schemas.version import SCHEMA_VERSION
@@ -52,6 +52,8 @@ class _Envelope(msgspec.Struct):
     v: msgspec.Raw = msgspec.Raw()
     id: msgspec.Raw = msgspec.Raw()
     kind: msgspec.Raw = msgspec.Raw()
+    stream_id: msgspec.Raw = msgspec.Raw()
+    seq: msgspec.Raw = msgspec.Raw()
 
 
 _REQUEST_DECODERS = _decoders(Request)
@@ -174,6 +176,8 @@ def _request_decode_error(data: bytes, fmt: str, exc: Exception) -> SchemaError:
             usable_id(kind),
         )
     known_kind = kind if kind in KINDS else None
+    stream = _stream_of(_salvage(envelope.stream_id, _STR_DECODERS, fmt), _salvage(envelope.seq, _INT_DECODERS, fmt)) \
+        if known_kind == "asr" else {}
     # A newer major version may fail to decode for reasons this reader cannot
     # name; say what is actually wrong.
     if isinstance(version, int) and version != SCHEMA_VERSION:
@@ -182,8 +186,17 @@ def _request_decode_error(data: bytes, fmt: str, exc: Exception) -> SchemaError:
             f"unsupported schema version {version} (this reader knows {SCHEMA_VERSION}) - at `$.v`",
             request_id,
             known_kind,
+            **stream,
         )
-    return SchemaError(ErrorCode.bad_request, _decode_failure_message(exc, fmt), request_id, known_kind)
+    return SchemaError(ErrorCode.bad_request, _decode_failure_message(exc, fmt), request_id, known_kind, **stream)
+
+
+def _stream_of(stream_id: object, seq: object) -> dict:
+    """An ASR chunk's stream and seq for its error result, where each is usable as one."""
+    return {"stream_id": stream_id if isinstance(stream_id, str) and 0 < len(stream_id) <= DEFAULT_LIMITS.max_name_chars
+            else None,
+            "seq": seq if isinstance(seq, int) and not isinstance(seq, bool) and -(1 << 63) <= seq < 1 << 63
+            else None}
 
 
 def decode_request(
@@ -212,7 +225,13 @@ def decode_request(
             request = _REQUEST_DECODERS[fmt].decode(data)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise _request_decode_error(data, fmt, exc) from None
-        validate_request(request, limits)
+        try:
+            validate_request(request, limits)
+        except SchemaError as exc:
+            if isinstance(request, AsrRequest):
+                stream = _stream_of(request.stream_id, request.seq)
+                exc.stream_id, exc.seq = stream["stream_id"], stream["seq"]
+            raise
         return request
     except SchemaError:
         raise

@@ -49,7 +49,9 @@ class SchemaError(Exception):
     `request_id` is set only when a usable id (non-empty str, at most
     `MAX_ID_CHARS` chars) was recovered, so the worker can answer with an error
     result; when it is None the record goes to the dead-letter topic. `kind` is
-    the recovered `kind` string, if any.
+    the recovered `kind` string, if any. An ASR chunk's `stream_id` and `seq`
+    are kept when readable, so its error result is keyed and ordered with its
+    stream's other results.
     """
 
     def __init__(
@@ -58,12 +60,17 @@ class SchemaError(Exception):
         message: str,
         request_id: str | None = None,
         kind: str | None = None,
+        *,
+        stream_id: str | None = None,
+        seq: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.request_id = request_id
         self.kind = kind
+        self.stream_id = stream_id
+        self.seq = seq
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"

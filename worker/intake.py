@@ -99,8 +99,9 @@ class Intake:
             if exc.request_id is None:
                 self._dead_letter(tp, record, exc.to_error_info())
             else:
+                # The error carries an ASR chunk's stream_id and seq where they were readable.
                 self.completion.complete_error(tp, record.offset, exc.request_id, exc.kind, exc.code, exc.message,
-                                               fmt, consumed_at)
+                                               fmt, consumed_at, exc)
             return True
         handler = self.handlers.get(request.kind)
         if handler is None:

@@ -140,5 +140,7 @@ def test_asr_and_risk_errors_are_answered(worker_setup, kafka_bootstrap):
     got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, ["no-items", "neg-seq", "gap-5"], linger=0.5))
     assert got["no-items"][0].error.code == "invalid_request"
     assert got["neg-seq"][0].error.code == "invalid_request"
+    # Keyed and ordered with its stream, as every ASR result is.
+    assert (got["neg-seq"][0].stream_id, got["neg-seq"][0].seq) == ("x", -1)
     gap = got["gap-5"][0].error
     assert gap.code == "sequence_gap" and "waited 2s for chunk 0" in gap.message, gap

@@ -619,3 +619,15 @@ def test_schemas_never_import_engine_or_worker():
     code = "import sys, schemas; bad = [m for m in sys.modules if m.split('.')[0] in ('engine', 'worker')]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("raw", "code", "stream"), [
+    (b'{"id": "a", "kind": "asr", "stream_id": "s", "seq": -1, "text": "t"}', "invalid_request", ("s", -1)),
+    (b'{"id": "a", "kind": "asr", "stream_id": "s", "seq": 2, "text": 5}', "bad_request", ("s", 2)),
+    (b'{"id": "a", "kind": "asr", "stream_id": "s", "seq": "2", "text": "t"}', "bad_request", ("s", None)),
+    (b'{"id": "a", "kind": "asr", "stream_id": "", "seq": 1, "text": "t"}', "invalid_request", (None, 1)),
+    (b'{"id": "a", "kind": "chat", "stream_id": "s", "seq": 1, "messages": 5}', "bad_request", (None, None)),
+])
+def test_an_asr_chunk_that_fails_keeps_its_stream_and_seq_where_readable(raw, code, stream):
+    err = _error(raw)
+    assert err.code == code and (err.stream_id, err.seq) == stream
