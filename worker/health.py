@@ -52,22 +52,29 @@ class Health:
         # Redis down degrades the service but does not make it unready.
         return alive and started, detail
 
+    async def consumer_lags(self) -> dict[str, int]:
+        """Per topic, the records of this worker's partitions not yet answered and committed: those not
+        fetched yet, and those taken but not released (in flight, or held behind an earlier record)."""
+        lags: dict[str, int] = {}
+        for tp in list(self.consumer.assignment()):
+            try:
+                high = self.consumer.highwater(tp)
+                pos = await self.consumer.position(tp)
+            except Exception:
+                continue
+            if high is not None:
+                tracker = self.partitions.trackers.get(tp)
+                taken = tracker.in_flight if tracker is not None else 0
+                lags[tp.topic] = lags.get(tp.topic, 0) + max(0, high - pos) + taken
+        return lags
+
     async def run_housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             self.partitions.watchdog(time.monotonic())
             # Dropped fetch buffers are reference cycles that pin whole fetch responses (worker/memory.py).
             self.metrics.observe_gc(*collect_cycles())
-            lags: dict[str, int] = {}
-            for tp in list(self.consumer.assignment()):
-                try:
-                    high = self.consumer.highwater(tp)
-                    pos = await self.consumer.position(tp)
-                except Exception:
-                    continue
-                if high is not None:
-                    lags[tp.topic] = lags.get(tp.topic, 0) + max(0, high - pos)
-            for topic, lag in lags.items():
+            for topic, lag in (await self.consumer_lags()).items():
                 self.metrics.set_consumer_lag(topic, lag)
             with contextlib.suppress(Exception):
                 rate = await self.redis.cluster_hit_rate()

@@ -110,8 +110,7 @@ class InFlightTable:
                     continue  # revoked or already failed
                 deadline = getattr(fl.request, "deadline_ms", None)
                 if deadline is not None and now_ms > deadline:
-                    self.fail(fl, ErrorCode.deadline_exceeded,
-                              f"deadline passed {now_ms - deadline:.0f} ms before the request could start")
+                    self.fail(fl, ErrorCode.deadline_exceeded, deadline_message(deadline, now_ms, "could start"))
                     continue
                 work = item.payload
                 jobs.append(EngineJob(item.key, work.prompt_token_ids, work.params, work.mask, fl.consumed_at,
@@ -137,8 +136,7 @@ class InFlightTable:
         expired = {id(fl): fl for fl in self._entries.values()
                    if not fl.done and (d := getattr(fl.request, "deadline_ms", None)) is not None and now_ms > d}
         for fl in expired.values():
-            self.fail(fl, ErrorCode.deadline_exceeded,
-                      f"deadline passed {now_ms - fl.request.deadline_ms:.0f} ms before the request finished")
+            self.fail(fl, ErrorCode.deadline_exceeded, deadline_message(fl.request.deadline_ms, now_ms, "finished"))
         return len(expired)
 
     def drain(self) -> None:
@@ -191,3 +189,15 @@ class InFlightTable:
             self._entries.clear()
             self._in_engine.clear()
         return count
+
+
+# Any deadline before this (2001-09-09) was meant as a duration, not a Unix epoch time.
+_EPOCH_MS_FLOOR = 10**12
+
+
+def deadline_message(deadline_ms: int, now_ms: float, before: str) -> str:
+    text = f"deadline passed {now_ms - deadline_ms:.0f} ms before the request {before}"
+    if deadline_ms < _EPOCH_MS_FLOOR:
+        text += (f" (deadline_ms is a Unix epoch time in milliseconds; {deadline_ms} is "
+                 f"{deadline_ms / 1000:g} s after 1970)")
+    return text

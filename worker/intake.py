@@ -90,7 +90,7 @@ class Intake:
             return True
         tracker.register(record.offset)
         consumed_at = time.monotonic()
-        payload = record.value or b""
+        payload = record.value  # None: a tombstone, which decode_request names as one
         content_type = content_type_of(record.headers)
         fmt = format_for_content_type(content_type) or sniff_format(payload) or "msgpack"
         try:

@@ -72,9 +72,12 @@ class AsrHandler:
         committed = state.text if state else ""
         tokens, mask = self._prompt(ctx, committed, req.text)
         chunk_tokens = len(ctx.tokenizer.encode(req.text, add_special_tokens=False))
-        if len(tokens) + 2 * chunk_tokens + 16 >= ctx.max_model_len:
-            raise RequestError(f"stream {req.stream_id!r} outgrew max_seq_len ({ctx.max_model_len} tokens)",
-                               code="prompt_too_long")
+        needed = len(tokens) + 2 * chunk_tokens + 16
+        if needed >= ctx.max_model_len:
+            what = (f"stream {req.stream_id!r} outgrew" if committed else
+                    f"chunk {req.seq} of stream {req.stream_id!r} is too long alone: with its prompt and answer it "
+                    f"needs {needed} tokens of")
+            raise RequestError(f"{what} max_seq_len ({ctx.max_model_len} tokens)", code="prompt_too_long")
         # The correction mostly copies the chunk, where prompt-lookup drafts pay most: on whenever the
         # deployment enables speculative decoding.
         params = SamplingParams(max_tokens=2 * chunk_tokens + 16, temperature=0.0, stop=("\n",), speculative=True)

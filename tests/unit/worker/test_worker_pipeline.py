@@ -14,13 +14,13 @@ from aiokafka import TopicPartition
 from prometheus_client import CollectorRegistry
 
 from engine import RequestError, RequestOutput, SamplingParams
-from schemas import Result, decode_result
+from schemas import Result, decode_dead_letter, decode_result
 from worker.batcher import make_batcher
 from worker.completion import Completion
 from worker.config import ServiceConfig
 from worker.engine_loop import EngineEvent
 from worker.handlers import HandlerContext, Prepared, Work
-from worker.inflight import InFlightTable
+from worker.inflight import InFlightTable, deadline_message
 from worker.intake import Intake
 from worker.metrics import WorkerMetrics
 from worker.offsets import PartitionTracker
@@ -208,3 +208,22 @@ async def _a_running_request_past_its_deadline_is_aborted_and_answered_deadline_
 
 def test_a_running_request_past_its_deadline_is_aborted_and_answered_deadline_exceeded():
     asyncio.run(_a_running_request_past_its_deadline_is_aborted_and_answered_deadline_exceeded())
+
+
+async def _a_tombstone_is_dead_lettered_as_one():
+    intake, _, _, _, tracker, _ = _parts()
+    assert await intake.take(_record(0, None))
+    [dead] = tracker.release().records
+    letter = decode_dead_letter(dead.value)
+    assert dead.topic == "dlq" and letter.reason.message == "empty payload (a tombstone record has no value)"
+
+
+def test_a_tombstone_is_dead_lettered_as_one():
+    asyncio.run(_a_tombstone_is_dead_lettered_as_one())
+
+
+def test_a_deadline_sent_as_a_duration_is_named_as_one():
+    now = float(int(time.time() * 1000))
+    assert deadline_message(int(now) - 5, now, "finished").startswith("deadline passed 5 ms before the request")
+    message = deadline_message(5000, now, "could start")
+    assert message.endswith("(deadline_ms is a Unix epoch time in milliseconds; 5000 is 5 s after 1970)")
