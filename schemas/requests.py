@@ -124,8 +124,8 @@ class ChatRequest(_RequestBase, tag="chat", kw_only=True):
     - `deterministic`: ask for batch-invariant results; None leaves it to the
       worker's config.
     - `tenant`: who the request is billed and rate-limited as.
-    - `mask_policy`: the attention-mask policy name the engine should use; None
-      is the model's default (causal).
+    - `mask_policy`: "causal" or None (the same); the engine's other policies
+      serve the ASR and risk workloads, and a chat request naming one is refused.
     """
 
     kind: ClassVar[str] = "chat"

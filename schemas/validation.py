@@ -164,8 +164,11 @@ def validate_chat(req: ChatRequest, limits: RequestLimits = DEFAULT_LIMITS) -> N
         check.text(rule, f"rules[{i}]", limits.max_rule_chars, non_empty=True)
     if req.tenant is not None:
         check.text(req.tenant, "tenant", limits.max_name_chars, non_empty=True)
-    if req.mask_policy is not None:
-        check.text(req.mask_policy, "mask_policy", limits.max_name_chars, non_empty=True)
+    if req.mask_policy is not None and req.mask_policy != "causal":
+        # The other policies are the ASR and risk handlers' (asr.mask_policy, packed risk segments); a chat
+        # model answers causally. Accepting a name and ignoring it would look like it had been applied.
+        raise check.fail(f"unknown or unsupported policy {_short(req.mask_policy)}; chat requests take "
+                         "'causal' (or none)", "mask_policy")
 
 
 def validate_asr(req: AsrRequest, limits: RequestLimits = DEFAULT_LIMITS) -> None:

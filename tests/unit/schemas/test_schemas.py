@@ -96,7 +96,7 @@ FULL_CHAT = ChatRequest(
     rules=["no pii"],
     deterministic=True,
     tenant="acme",
-    mask_policy="prefix_bidirectional",
+    mask_policy="causal",
 )
 FULL_ASR = AsrRequest(id="asr-1", stream_id="call-9", seq=3, text="so um yeah", final=True)
 FULL_RISK = RiskRequest(
@@ -459,6 +459,7 @@ def test_huge_unknown_kind_is_not_echoed_in_full():
         (_chat(rules=[""]), "rules[0]"),
         (_chat(tenant=""), "tenant"),
         (_chat(mask_policy="m" * 257), "mask_policy"),
+        (_chat(mask_policy="prefix_bidirectional"), "mask_policy"),  # an ASR/risk policy: refused, not ignored
         (_asr(seq=-1), "seq"),
         (_asr(seq=2**63), "seq"),
         (_asr(stream_id=""), "stream_id"),

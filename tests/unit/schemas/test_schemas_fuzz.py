@@ -74,7 +74,7 @@ chat_requests = st.builds(
     rules=st.lists(st.text(min_size=1, max_size=16), max_size=3),
     deterministic=st.none() | st.booleans(),
     tenant=st.none() | names,
-    mask_policy=st.none() | names,
+    mask_policy=st.sampled_from([None, "causal"]),
 )
 asr_requests = st.builds(
     AsrRequest, id=ids, stream_id=names, seq=st.integers(0, 2**63 - 1), text=texts, final=st.booleans()
