@@ -159,7 +159,8 @@ class AsrRequest(_RequestBase, tag="asr", kw_only=True):
     """One chunk of a streaming ASR transcript to post-correct (topic `infinilm.requests.asr`).
 
     Chunks of a stream share `stream_id` (the Kafka key, so they stay in order)
-    and number themselves with `seq` from 0. `final` marks the last chunk.
+    and number themselves with `seq` from 0. `final` marks the last chunk: a
+    chunk after it is refused with invalid_request (a new stream needs a new id).
     """
 
     kind: ClassVar[str] = "asr"

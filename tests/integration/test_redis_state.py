@@ -289,6 +289,25 @@ def new_stream_id() -> str:
     return f"stream with user text {uuid.uuid4().hex}"
 
 
+def test_a_final_chunk_ends_its_stream(redis_url: str, prefix: str) -> None:
+    async def scenario() -> None:
+        async with running(redis_url, prefix, "worker-a", stream_state_ttl_s=120) as [a]:
+            sid = new_stream_id()
+            assert (await a.commit_chunk(sid, 0, "hello", b"r0")).applied
+            last = await a.commit_chunk(sid, 1, "hello bye", b"r1", final=True)
+            assert last.applied and last.state.final and await a.get_chunk_result(sid, 1) == b"r1"
+            assert (await a.get_stream(sid)).final
+            after = await a.commit_chunk(sid, 2, "hello bye again", b"r2")
+            assert after.status == "out_of_order" and after.state.final and after.state.last_seq == 1
+            assert await a.get_chunk_result(sid, 2) is None
+            again = await a.commit_chunk(sid, 1, "hello bye", b"other", final=True)  # a redelivered final chunk
+            assert again.status == "duplicate" and again.result == b"r1"
+            claimed = await a.claim_stream(sid, "worker-b")
+            assert claimed.final and claimed.last_seq == 1
+
+    run(scenario())
+
+
 def test_asr_commits_in_order_and_rejects_out_of_order(redis_url: str, prefix: str) -> None:
     async def scenario() -> None:
         async with (

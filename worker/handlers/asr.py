@@ -50,6 +50,10 @@ class AsrHandler:
                                    code="overloaded")
             state = await redis.get_stream(req.stream_id)
             last = state.last_seq if state else -1
+            if state is not None and state.final and req.seq > last:
+                self._committed.pop(req.stream_id, None)
+                raise RequestError(f"stream {req.stream_id!r} ended with chunk {last} (final); chunk {req.seq} "
+                                   "belongs to no stream: send it under a new stream_id", code="invalid_request")
             if req.seq == last + 1:
                 break
             if req.seq <= last:
@@ -117,12 +121,16 @@ class AsrHandler:
                         usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                                     cached_tokens=out.num_cached_tokens))
         try:
-            applied = await ctx.redis.commit_chunk(req.stream_id, req.seq, committed, encode(result, "msgpack"))
+            applied = await ctx.redis.commit_chunk(req.stream_id, req.seq, committed, encode(result, "msgpack"),
+                                                   final=req.final)
         except StateUnavailable as exc:
             raise RequestError(f"stream state could not be saved ({exc}); retry the chunk", code="overloaded") from exc
         if applied.status == "duplicate" and applied.result:
             # Another copy of this chunk was committed first: answer with what it stored.
             return _with_id(decode_result(applied.result), req.id)
+        if applied.status == "out_of_order" and applied.state is not None and applied.state.final:
+            raise RequestError(f"stream {req.stream_id!r} ended with chunk {applied.state.last_seq} (final) while "
+                               f"chunk {req.seq} was corrected", code="invalid_request")
         if applied.status == "out_of_order":
             raise RequestError(f"stream {req.stream_id!r} moved on while chunk {req.seq} was corrected",
                                code="sequence_gap")

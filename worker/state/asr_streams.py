@@ -16,19 +16,21 @@ from redis import exceptions as rexc
 from worker.state.client import UNAVAILABLE, RedisClient, now_ms
 from worker.state.keys import KeyLayout
 
-# KEYS: state, result. ARGV: seq, seq - 1, text, result, owner, ttl_ms, now_ms, stream_id.
+# KEYS: state, result. ARGV: seq, seq - 1, text, result, owner, ttl_ms, now_ms, stream_id, final (1 or 0).
 # NOTE: seq is compared as a decimal string, not a Lua number: seqs go up to 2**63 - 1 and
 # Lua numbers are doubles. We always write canonical decimals, so string equality is exact.
 _COMMIT_SCRIPT = """
 local prior = redis.call('GET', KEYS[2])
-local st = redis.call('HMGET', KEYS[1], 'seq', 'text', 'owner', 'updated_ms')
-if prior then return {'duplicate', st[1], st[2], st[3], st[4], prior} end
-if (st[1] or '-1') ~= ARGV[2] then return {'out_of_order', st[1], st[2], st[3], st[4], false} end
+local st = redis.call('HMGET', KEYS[1], 'seq', 'text', 'owner', 'updated_ms', 'final')
+if prior then return {'duplicate', st[1], st[2], st[3], st[4], prior, st[5]} end
+if (st[1] or '-1') ~= ARGV[2] or st[5] == '1' then
+  return {'out_of_order', st[1], st[2], st[3], st[4], false, st[5]}
+end
 redis.call('HSET', KEYS[1], 'stream_id', ARGV[8], 'seq', ARGV[1], 'text', ARGV[3],
-           'owner', ARGV[5], 'updated_ms', ARGV[7])
+           'owner', ARGV[5], 'updated_ms', ARGV[7], 'final', ARGV[9])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[6])
-return {'applied', ARGV[1], ARGV[3], ARGV[5], ARGV[7], ARGV[4]}
+return {'applied', ARGV[1], ARGV[3], ARGV[5], ARGV[7], ARGV[4], ARGV[9]}
 """
 
 CommitStatus = Literal["applied", "duplicate", "out_of_order"]
@@ -40,13 +42,15 @@ class StateUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class StreamState:
-    """An ASR stream as Redis knows it. `last_seq` is -1 for a claimed stream with no chunk yet."""
+    """An ASR stream as Redis knows it. `last_seq` is -1 for a claimed stream with no chunk yet; `final`:
+    its last committed chunk said `final`, so the stream takes no more."""
 
     stream_id: str
     last_seq: int
     text: str
     owner: str
     updated_ms: int
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def _text(value: bytes | None) -> str:
 
 
 def _stream_state(
-    stream_id: str, seq: bytes | None, text: bytes | None, owner: bytes | None, updated: bytes | None
+    stream_id: str, seq: bytes | None, text: bytes | None, owner: bytes | None, updated: bytes | None,
+    final: bytes | None = None,
 ) -> StreamState | None:
     if seq is None:
         return None
@@ -83,6 +88,7 @@ def _stream_state(
         text=_text(text),
         owner=_text(owner),
         updated_ms=int(updated or 0),
+        final=final == b"1",
     )
 
 
@@ -98,10 +104,10 @@ class AsrStreams:
         """The stream's committed state; None if unknown or Redis is unavailable."""
 
         async def read() -> StreamState | None:
-            seq, text, owner, updated = await self._client.redis.hmget(
-                self._keys.stream(stream_id), ["seq", "text", "owner", "updated_ms"]
+            seq, text, owner, updated, final = await self._client.redis.hmget(
+                self._keys.stream(stream_id), ["seq", "text", "owner", "updated_ms", "final"]
             )
-            return _stream_state(stream_id, seq, text, owner, updated)
+            return _stream_state(stream_id, seq, text, owner, updated, final)
 
         return await self._client.guarded("get_stream", None, read)
 
@@ -124,16 +130,18 @@ class AsrStreams:
                 pipe.hsetnx(key, "text", "")
                 pipe.hset(key, mapping={"owner": owner, "updated_ms": now_ms()})
                 pipe.pexpire(key, self._ttl_ms)
-                pipe.hmget(key, ["seq", "text", "owner", "updated_ms"])
-                *_, (seq, text, who, updated) = await pipe.execute()
-            return _stream_state(stream_id, seq, text, who, updated)
+                pipe.hmget(key, ["seq", "text", "owner", "updated_ms", "final"])
+                *_, (seq, text, who, updated, final) = await pipe.execute()
+            return _stream_state(stream_id, seq, text, who, updated, final)
 
         return await self._client.guarded("claim_stream", None, claim)
 
     async def commit_chunk(
-        self, stream_id: str, seq: int, corrected_text: str, result_bytes: bytes, owner: str | None = None
+        self, stream_id: str, seq: int, corrected_text: str, result_bytes: bytes, owner: str | None = None,
+        final: bool = False,
     ) -> CommitResult:
-        """Atomically commits chunk `seq` if it is last_seq + 1 (0 for a new stream).
+        """Atomically commits chunk `seq` if it is last_seq + 1 (0 for a new stream) and the stream has not
+        ended (`final` on its last chunk: nothing follows, `out_of_order` with `state.final`).
 
         Sets the committed text, seq and owner (default: this worker) and stores
         `result_bytes` under (stream, seq), so a redelivered chunk gets the same answer and
@@ -162,6 +170,7 @@ class AsrStreams:
                     self._ttl_ms,
                     now_ms(),
                     stream_id,
+                    "1" if final else "0",
                 )
         except UNAVAILABLE as exc:
             client.mark_unavailable("commit_chunk", exc)
@@ -169,9 +178,9 @@ class AsrStreams:
         except rexc.RedisError as exc:
             client.count_error("commit_chunk")
             raise StateUnavailable(f"Redis refused the commit: {client.describe(exc)}") from exc
-        status, last, text, who, updated, result = (list(reply) + [None] * 6)[:6]
+        status, last, text, who, updated, result, final = (list(reply) + [None] * 7)[:7]
         return CommitResult(
             status=status.decode(),
-            state=_stream_state(stream_id, last, text, who, updated),
+            state=_stream_state(stream_id, last, text, who, updated, final),
             result=result,
         )

@@ -231,6 +231,7 @@ class RedisState:
         return await self._streams.claim_stream(stream_id, owner)
 
     async def commit_chunk(
-        self, stream_id: str, seq: int, corrected_text: str, result_bytes: bytes, owner: str | None = None
+        self, stream_id: str, seq: int, corrected_text: str, result_bytes: bytes, owner: str | None = None,
+        final: bool = False,
     ) -> CommitResult:
-        return await self._streams.commit_chunk(stream_id, seq, corrected_text, result_bytes, owner)
+        return await self._streams.commit_chunk(stream_id, seq, corrected_text, result_bytes, owner, final)

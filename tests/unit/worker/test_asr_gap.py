@@ -17,11 +17,12 @@ from worker.state import StreamState
 class StreamStore:
     """Stands in for RedisState: a stream whose last committed chunk is 0, and no stored results."""
 
-    def __init__(self, healthy: bool = True) -> None:
+    def __init__(self, healthy: bool = True, final: bool = False) -> None:
         self.healthy = healthy
+        self.final = final
 
     async def get_stream(self, stream_id: str) -> StreamState:
-        return StreamState(stream_id=stream_id, last_seq=0, text="hello", owner="w-0", updated_ms=0)
+        return StreamState(stream_id=stream_id, last_seq=0, text="hello", owner="w-0", updated_ms=0, final=self.final)
 
     async def get_chunk_result(self, stream_id: str, seq: int) -> None:
         return None
@@ -50,4 +51,14 @@ def test_a_chunk_while_stream_state_is_down_is_refused_as_overloaded_and_drops_i
     with pytest.raises(RequestError) as err:
         asyncio.run(handler.prepare(request, context(StreamStore(healthy=False))))
     assert err.value.code == "overloaded"
+    assert handler._committed == {}
+
+
+def test_a_chunk_after_the_final_one_is_refused_at_once():
+    handler = AsrHandler()
+    request = AsrRequest(id="c1", stream_id="s-3", seq=1, text="one more thing")
+    with pytest.raises(RequestError) as err:
+        asyncio.run(handler.prepare(request, context(StreamStore(final=True))))
+    assert err.value.code == "invalid_request"
+    assert "stream 's-3' ended with chunk 0 (final)" in str(err.value) and "new stream_id" in str(err.value)
     assert handler._committed == {}
