@@ -128,7 +128,8 @@ def register(app: typer.Typer) -> None:
     @app.command(help="Print records from a topic (results by default) as JSON lines.")
     def consume(
         topic: str = typer.Option("results", help="results, deltas, dlq, or a full topic name."),
-        from_beginning: bool = typer.Option(False, "--from-beginning", help="Start at the oldest record, not at new ones."),
+        from_beginning: bool = typer.Option(False, "--from-beginning",
+                                            help="Start at the oldest record, not at new ones."),
         limit: int | None = typer.Option(None, "--max", help="Stop after this many records."),
         timeout: float | None = typer.Option(None, help="Stop after this many idle seconds (default: run until Ctrl-C)."),
         config: Path | None = typer.Option(None, "--config", "-c", help=CONFIG_HELP),

@@ -90,7 +90,8 @@ class SamplingParams:
             raise bad("banned phrases must be non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.score_positions):
             raise bad("score_positions must be integers >= 1 (a token is scored given the tokens before it)")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "deterministic", "speculative"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "deterministic",
+                     "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)

@@ -176,8 +176,9 @@ def _request_decode_error(data: bytes, fmt: str, exc: Exception) -> SchemaError:
             usable_id(kind),
         )
     known_kind = kind if kind in KINDS else None
-    stream = _stream_of(_salvage(envelope.stream_id, _STR_DECODERS, fmt), _salvage(envelope.seq, _INT_DECODERS, fmt)) \
-        if known_kind == "asr" else {}
+    stream = {}
+    if known_kind == "asr":
+        stream = _stream_of(_salvage(envelope.stream_id, _STR_DECODERS, fmt), _salvage(envelope.seq, _INT_DECODERS, fmt))
     # A newer major version may fail to decode for reasons this reader cannot
     # name; say what is actually wrong.
     if isinstance(version, int) and version != SCHEMA_VERSION:
@@ -193,10 +194,9 @@ def _request_decode_error(data: bytes, fmt: str, exc: Exception) -> SchemaError:
 
 def _stream_of(stream_id: object, seq: object) -> dict:
     """An ASR chunk's stream and seq for its error result, where each is usable as one."""
-    return {"stream_id": stream_id if isinstance(stream_id, str) and 0 < len(stream_id) <= DEFAULT_LIMITS.max_name_chars
-            else None,
-            "seq": seq if isinstance(seq, int) and not isinstance(seq, bool) and -(1 << 63) <= seq < 1 << 63
-            else None}
+    usable_stream = isinstance(stream_id, str) and 0 < len(stream_id) <= DEFAULT_LIMITS.max_name_chars
+    usable_seq = isinstance(seq, int) and not isinstance(seq, bool) and -(1 << 63) <= seq < 1 << 63
+    return {"stream_id": stream_id if usable_stream else None, "seq": seq if usable_seq else None}
 
 
 def decode_request(
