@@ -258,7 +258,7 @@ class EngineCore:
                 raise InvalidRequestError("this model has no tokenizer; send token ids")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)):
-            return None, [_as_token_id(t) for t in prompt]
+            return None, [t if (tid := token_id(t)) is None else tid for t in prompt]
         hint = " (pass .tolist())" if hasattr(prompt, "tolist") else ""
         raise InvalidRequestError(
             f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}{hint}")
@@ -410,12 +410,12 @@ def _may_overlap(sched: SchedulerOutput) -> bool:
     return not any(s.sample and s.banned for s in sched.scheduled)
 
 
-def _as_token_id(value: object) -> object:
-    """numpy and torch integers as Python ints (operator.index); anything else as it is, for the range check
-    to refuse (bools, floats and float tensors are no token ids)."""
-    if isinstance(value, (int, bool)):
-        return value
+def token_id(value: object) -> int | None:
+    """`value` as a token id: ints, and numpy and torch integers through operator.index; None for what is
+    no token id (bools, floats, float tensors, sequences), which the range check then refuses."""
+    if isinstance(value, bool):
+        return None
     try:
         return operator.index(value)
     except TypeError:
-        return value
+        return None

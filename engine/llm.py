@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import operator
 from collections.abc import Sequence
 
 from engine.attention.metadata import CAUSAL, MaskSpec
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, token_id
 from engine.errors import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -51,7 +50,8 @@ class LLM:
 
         `images[i]` are prompt i's images, encoded files (PNG, JPEG, ...) or ImageInputs from
         engine.load_image, one per image token in it."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_token_id(prompts[0])):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and token_id(prompts[0]) is not None):
             prompts = [prompts]  # a single prompt: text, or token ids
         if not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
@@ -132,17 +132,6 @@ class LLM:
                     with contextlib.suppress(Exception):  # never hide what ended the call
                         engine.abort_request(rid)
         return [results[rid] for rid in ids]
-
-
-def _is_token_id(value: object) -> bool:
-    """An int or anything that converts to one losslessly (numpy and torch integers), never a bool."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _error_output(rid: str, prompt, exc: RequestError) -> RequestOutput:

@@ -191,7 +191,7 @@ class InFlightTable:
         return count
 
 
-# Any deadline before this (2001-09-09) was meant as a duration, not a Unix epoch time.
+# A deadline_ms this small lies decades in the past as an epoch time: the sender meant a duration.
 _EPOCH_MS_FLOOR = 10**12
 
 
