@@ -39,16 +39,17 @@ class RequestProducer:
     async def __aexit__(self, *exc) -> None:
         await self._producer.stop()
 
-    async def send(self, topic: str, request, fmt: str = "msgpack", key: str | None = None) -> None:
-        """Send a request struct (or raw bytes, for tests of bad input). Raises MissingTopicError for a topic
-        the broker lacks, within seconds (aiokafka itself waits out its request timeout)."""
+    async def send(self, topic: str, request, fmt: str = "msgpack", key: str | None = None) -> asyncio.Future:
+        """Send a request struct (or raw bytes, for tests of bad input); returns the record's delivery future.
+        Raises MissingTopicError for a topic the broker lacks, within seconds (aiokafka itself waits out its
+        request timeout)."""
         if topic not in self._topics:
             await _partitions(self._producer.client, topic)
             self._topics.add(topic)
         value = request if isinstance(request, bytes) else encode(request, fmt)
         rid = key if key is not None else getattr(request, "stream_id", None) or getattr(request, "id", None)
-        await self._producer.send(topic, value, key=rid.encode() if rid else None,
-                                  headers=[("content-type", CONTENT_TYPES[fmt])] if fmt in CONTENT_TYPES else [])
+        return await self._producer.send(topic, value, key=rid.encode() if rid else None,
+                                         headers=[("content-type", CONTENT_TYPES[fmt])] if fmt in CONTENT_TYPES else [])
 
     async def flush(self) -> None:
         await self._producer.flush()

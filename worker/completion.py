@@ -52,6 +52,7 @@ class Completion:
         self._results_ready = results_ready
         self._on_progress = on_progress
         self._speculative = speculative
+        self._finishing: set[tuple[TopicPartition, int]] = set()  # requests whose handler is finishing them
 
     # ---- engine events ---------------------------------------------------
     async def run(self, events: asyncio.Queue[EngineEvent]) -> None:
@@ -71,17 +72,17 @@ class Completion:
             fl = self.table.get(out.request_id)
             if fl is None or fl.done:
                 continue
-            if self._speculative and out.new_token_ids:
-                self.metrics.observe_step_tokens(fl.request.kind, len(out.new_token_ids))
-            if fl.stream[fl.engine_ids.index(out.request_id)] and (out.new_text or out.finished):
-                await self._send_delta(fl, out)
-            if not out.finished:
-                continue
-            if out.error is not None:
-                self._fail(fl, out.error.code, out.error.message)
-                continue
-            if self.table.finish(out.request_id, out):
-                await self._finish(fl)
+            try:
+                await self._on_output(fl, out)
+            except Exception as exc:
+                # One request's failure must not cost the others of this event their outputs: each of
+                # those would stay unanswered, and hold back every later offset of its partition.
+                log.exception("failed to handle an engine output", request_id=fl.request.id)
+                message = f"internal error while handling its output: {type(exc).__name__}"
+                if not fl.done:
+                    self._fail(fl, ErrorCode.internal, message)
+                elif (tracker := self.trackers.get(fl.tp)) is not None and tracker.awaits(fl.offset):
+                    self.complete_failure(fl, ErrorCode.internal, message)  # failed while publishing its result
         if ev.stats is not None:
             st = ev.stats
             self.metrics.observe_step(
@@ -96,6 +97,28 @@ class Completion:
             await self.redis.publish_kv_events(ev.kv_events)
         self._on_progress()
 
+    async def _on_output(self, fl: InFlight, out: RequestOutput) -> None:
+        if self._speculative and out.new_token_ids:
+            self.metrics.observe_step_tokens(fl.request.kind, len(out.new_token_ids))
+        if fl.stream[fl.engine_ids.index(out.request_id)] and (out.new_text or out.finished):
+            await self._send_delta(fl, out)
+        if not out.finished:
+            return
+        if out.error is not None:
+            self._fail(fl, out.error.code, out.error.message)
+            return
+        if self.table.finish(out.request_id, out):
+            key = (fl.tp, fl.offset)
+            self._finishing.add(key)
+            try:
+                await self._finish(fl)
+            finally:
+                self._finishing.discard(key)
+
+    def finishing_offsets(self, tp: TopicPartition) -> set[int]:
+        """The offsets of partition `tp` whose requests left the engine and are being finished now."""
+        return {offset for t, offset in self._finishing if t == tp}
+
     async def _finish(self, fl: InFlight) -> None:
         """Every job of `fl` has finished: its handler makes the Result, or asks for another round."""
         try:
@@ -107,6 +130,8 @@ class Completion:
             log.exception("handler finish failed", request_id=fl.request.id)
             self._fail(fl, ErrorCode.internal, f"internal error while finishing: {type(exc).__name__}")
             return
+        if fl.done:
+            return  # answered or dropped while the handler finished (a deadline, a revoked partition)
         if isinstance(result, Prepared):
             self.table.admit(fl, result)  # a second round: back to the engine through the table
             return
@@ -165,6 +190,12 @@ class Completion:
         tracker = self.trackers.get(tp)
         if tracker is None:
             return  # partition revoked: the new owner redoes it
+        if not tracker.awaits(offset):
+            # Answered already, or not taken (yet) by the partition's current set-up: after a resync the
+            # record is fetched and answered again, so this result is not needed. Never a second answer.
+            log.warning("result for an offset its partition does not wait for; dropped", partition=str(tp),
+                        offset=offset, request_id=result.id)
+            return
         record = OutRecord(self.topics.results, result_key(result), encode(result, fmt),
                            (("content-type", CONTENT_TYPE[fmt]),))
         tracker.complete(offset, [record])

@@ -171,6 +171,12 @@ class WorkerConfig(Settings):
     shutdown_timeout_s: Seconds = 30.0
     max_inflight: PositiveInt = 256
     deadline_check: bool = True
+    # A partition with work waiting that has not moved for this long is set up again (worker.partitions).
+    stall_resync_s: Seconds = 60.0
+
+    def __post_init__(self) -> None:
+        require(self.stall_resync_s >= 5.0, "stall_resync_s",
+                f"must be at least 5 s (the watchdog looks every few seconds), got {self.stall_resync_s}")
 
     def resolved_id(self) -> str:
         """The configured id, or hostname-pid; computed on each call, never stored in the config."""

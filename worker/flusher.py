@@ -57,6 +57,7 @@ class Flusher:
         self._stopping = stopping
         self.clock = clock or MonotonicClock()
         self.results_ready = asyncio.Event()  # a tracker got a finished result since the last flush
+        self._published = asyncio.Event()  # set, and replaced, whenever a round of publishes ends
 
     async def run(self) -> None:
         """Flush every flush interval; with eager flushing, also as soon as a result is finished,
@@ -79,22 +80,48 @@ class Flusher:
                 last = self.clock.monotonic()
             await self.flush_all()
 
-    async def flush_all(self, only: list[TopicPartition] | None = None) -> None:
-        """Publish every partition's releasable results (only those of `only`, if given)."""
-        releases = []
+    async def flush_all(self, only: list[TopicPartition] | None = None, *, complete: bool = False) -> None:
+        """Publish every partition's releasable results (only those of `only`, if given).
+
+        A partition whose previous release is still being published (by another flush) is skipped,
+        or, with `complete` (a rebalance's or a shutdown's flush: the last chance to publish), flushed
+        again once that publish ends, so that what finished after that release goes out too. No
+        release is held while waiting, so two such flushes never wait on each other."""
+        busy = await self._flush_once(only)
+        while complete and (busy := self._still_publishing(busy)):
+            await self._published.wait()
+            busy = await self._flush_once(busy)
+        if only is None and not self._stopping.is_set():  # a stopping worker starts no producers
+            self.partitions.retry_setups()
+        self.partitions.update_pause()
+
+    async def _flush_once(self, only: list[TopicPartition] | None) -> list[TopicPartition]:
+        """Publish what is releasable now; returns the partitions skipped as still publishing."""
+        releases, busy = [], []
         for tp, tracker in list(self.partitions.trackers.items()):
             if only is not None and tp not in only:
+                continue
+            if tracker.publishing:
+                busy.append(tp)
                 continue
             release = tracker.release()
             if release is not None:
                 releases.append((tp, tracker, release))
         if releases:
             await self._publish(releases)
-        if only is None and not self._stopping.is_set():  # a stopping worker starts no producers
-            self.partitions.retry_setups()
-        self.partitions.update_pause()
+        return busy
+
+    def _still_publishing(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        return [tp for tp in tps if (t := self.partitions.trackers.get(tp)) is not None and t.publishing]
 
     async def _publish(self, releases: list[tuple[TopicPartition, PartitionTracker, Release]]) -> None:
+        try:
+            await self._publish_and_settle(releases)
+        finally:
+            self._published.set()
+            self._published = asyncio.Event()
+
+    async def _publish_and_settle(self, releases: list[tuple[TopicPartition, PartitionTracker, Release]]) -> None:
         outcomes = await asyncio.gather(*(self.publisher.publish(r) for _, _, r in releases), return_exceptions=True)
         for (tp, tracker, release), outcome in zip(releases, outcomes, strict=True):
             if outcome is True:

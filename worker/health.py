@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from worker.engine_loop import EngineLoop
 from worker.inflight import InFlightTable
@@ -24,8 +26,11 @@ HOUSEKEEPING_INTERVAL_S = 5.0
 
 class Health:
     def __init__(self, *, engine_loop: EngineLoop, consumer: AIOKafkaConsumer, partitions: Partitions,
-                 table: InFlightTable, redis, metrics: WorkerMetrics) -> None:
-        """`redis`: worker.state.RedisState."""
+                 table: InFlightTable, redis, metrics: WorkerMetrics,
+                 working: Callable[[TopicPartition], set[int]] | None = None) -> None:
+        """`redis`: worker.state.RedisState; `working`: a partition's offsets whose requests are being
+        worked on (prepared, batched or generated), for the stall check; the in-flight table's if None."""
+        self.working = working if working is not None else (lambda tp: table.offsets(tp))
         self.engine_loop = engine_loop
         self.consumer = consumer
         self.partitions = partitions
@@ -68,10 +73,26 @@ class Health:
                 lags[tp.topic] = lags.get(tp.topic, 0) + max(0, high - pos) + taken
         return lags
 
+    async def check_progress(self) -> None:
+        """Resync the partitions that stalled (Partitions.check_progress), from positions read here and
+        end offsets asked of the broker; a broker that does not answer skips the fetch check."""
+        tps = list(self.partitions.trackers)
+        positions: dict[TopicPartition, int] = {}
+        ends: dict[TopicPartition, int] = {}
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(HOUSEKEEPING_INTERVAL_S):
+                for tp in tps:
+                    with contextlib.suppress(KafkaError):  # revoked meanwhile
+                        positions[tp] = await self.consumer.position(tp)
+                ends = await self.consumer.end_offsets(tps) if tps else {}
+        for _tp, reason in self.partitions.check_progress(time.monotonic(), positions, ends, self.working):
+            self.metrics.inc_partition_stall(reason)
+
     async def run_housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL_S)
             self.partitions.watchdog(time.monotonic())
+            await self.check_progress()
             # Dropped fetch buffers are reference cycles that pin whole fetch responses (worker/memory.py).
             self.metrics.observe_gc(*collect_cycles())
             for topic, lag in (await self.consumer_lags()).items():

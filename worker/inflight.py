@@ -76,6 +76,10 @@ class InFlightTable:
     def get(self, engine_id: str) -> InFlight | None:
         return self._entries.get(engine_id)
 
+    def offsets(self, tp: TopicPartition) -> set[int]:
+        """The offsets of partition `tp` whose requests are here (with the batcher or the engine)."""
+        return {fl.offset for fl in self._entries.values() if fl.tp == tp}
+
     def admit(self, fl: InFlight, prepared: Prepared) -> None:
         """Hand a request's engine work to the batcher (again, for a handler's second round)."""
         fl.prepared = prepared

@@ -55,6 +55,7 @@ class Intake:
         self._max_message_bytes = max_message_bytes
         self._results_ready = results_ready
         self.preparing: dict[asyncio.Task, TopicPartition] = {}  # deferred prepares, by partition
+        self._preparing_offsets: dict[TopicPartition, set[int]] = {}  # every prepare under way, inline or deferred
 
     async def run(self, stopping: asyncio.Event) -> None:
         """The consume loop: poll, take each record on, update flow control."""
@@ -118,8 +119,23 @@ class Intake:
             await self._prepare(tp, record.offset, request, handler, fmt, consumed_at)
         return True
 
+    def preparing_offsets(self, tp: TopicPartition) -> set[int]:
+        """The offsets of partition `tp` whose requests are being prepared now."""
+        return set(self._preparing_offsets.get(tp, ()))
+
     async def _prepare(self, tp: TopicPartition, offset: int, request, handler: Handler, fmt: str,
                        consumed_at: float) -> None:
+        working = self._preparing_offsets.setdefault(tp, set())
+        working.add(offset)
+        try:
+            await self._prepare_one(tp, offset, request, handler, fmt, consumed_at)
+        finally:
+            working.discard(offset)
+            if not working and self._preparing_offsets.get(tp) is working:
+                del self._preparing_offsets[tp]
+
+    async def _prepare_one(self, tp: TopicPartition, offset: int, request, handler: Handler, fmt: str,
+                           consumed_at: float) -> None:
         try:
             prepared = await handler.prepare(request, self.ctx)
         except RequestError as exc:

@@ -20,6 +20,10 @@ DLQ_REASONS: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 
 KAFKA_TRANSACTION_OUTCOMES: tuple[str, ...] = ("committed", "aborted", "fenced", "timed_out")
 
+# Why the watchdog set a partition up again (worker.partitions.Partitions.check_progress): records taken
+# that nothing works on, or records in the log that are not being fetched.
+PARTITION_STALL_REASONS: tuple[str, ...] = ("orphaned", "not_fetching")
+
 # The Dynamic Bucket batcher has buckets max_seq_len / 2**i for i = 0..4, and a
 # plain FIFO path when bucketing is off.
 NUM_BATCH_BUCKETS = 5
@@ -74,6 +78,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "infinilm_redis_up",
     "infinilm_rule_violations_total",
     "infinilm_kafka_transactions_total",
+    "infinilm_partition_stalls_total",
     "infinilm_batches_total",
     "infinilm_padding_tokens_total",
     "infinilm_gc_collected_objects_total",

@@ -28,6 +28,7 @@ from worker.metric_names import (
     GC_PAUSE_BUCKETS,
     KAFKA_TRANSACTION_OUTCOMES,
     NUM_BATCH_BUCKETS,
+    PARTITION_STALL_REASONS,
     PIPELINE_STALL_BUCKETS,
     QUEUE_BUCKETS,
     REQUEST_KINDS,
@@ -187,6 +188,12 @@ class WorkerMetrics:
             ["outcome"],
             registry=r,
         )
+        self.partition_stalls = Counter(
+            "infinilm_partition_stalls_total",
+            "Partitions set up again because they had records waiting and made no progress, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.redis_errors = Counter(
             "infinilm_redis_errors_total", "Failed Redis operations.", ["op"], registry=r
         )
@@ -244,6 +251,8 @@ class WorkerMetrics:
             self.cached_prompt_tokens.labels(kind=kind)
         for reason in DLQ_REASONS:
             self.dlq_records.labels(reason=reason)
+        for reason in PARTITION_STALL_REASONS:
+            self.partition_stalls.labels(reason=reason)
         for outcome in KAFKA_TRANSACTION_OUTCOMES:
             self.kafka_transactions.labels(outcome=outcome)
         for bucket in BATCH_BUCKET_LABELS:
@@ -380,6 +389,9 @@ class WorkerMetrics:
     def inc_kafka_transaction(self, outcome: str) -> None:
         outcome = check_member("outcome", outcome, KAFKA_TRANSACTION_OUTCOMES)
         self.kafka_transactions.labels(outcome=outcome).inc()
+
+    def inc_partition_stall(self, reason: str) -> None:
+        self.partition_stalls.labels(reason=check_member("reason", reason, PARTITION_STALL_REASONS)).inc()
 
     # -- Redis ------------------------------------------------------------
 

@@ -7,6 +7,12 @@ that prefix and the offset after it are released as one unit, which the
 publisher writes in one Kafka transaction. A crash before the commit
 redelivers exactly the records whose outputs were not committed.
 
+NOTE: a partition has at most one release being published at a time. `restore` puts
+back exactly that release, so a second one taken meanwhile (a rebalance's or a
+shutdown's flush beside the flush loop) would make it rewind over offsets that
+the second release still carries, and a commit of the second would then skip
+the first's outputs.
+
 NOTE: a release lists its outputs in the order they were completed, not by
 offset. An ASR chunk that arrived before its predecessor waits for it, so it
 completes after it even though its offset is lower; completion order is what
@@ -55,6 +61,7 @@ class PartitionTracker:
         self._order: list[int] = []  # registered offsets, ascending
         self._head = 0  # index into _order of the first offset not yet released
         self.committed: int | None = None  # last commit_offset handed out
+        self._outstanding: Release | None = None  # taken by release(), not yet committed or restored
 
     def register(self, offset: int) -> None:
         if self._order and offset <= self._order[-1]:
@@ -62,6 +69,10 @@ class PartitionTracker:
         self._pending[offset] = None
         self._order.append(offset)
         self.next_offset = offset + 1
+
+    def awaits(self, offset: int) -> bool:
+        """Whether `offset` is registered here and not completed yet (a result for it is wanted)."""
+        return offset in self._pending and self._pending[offset] is None
 
     def complete(self, offset: int, records: Iterable[OutRecord]) -> None:
         if offset not in self._pending:
@@ -73,7 +84,10 @@ class PartitionTracker:
         self._completions += 1
 
     def release(self) -> Release | None:
-        """Take the outputs of the longest done prefix; None when nothing new is done."""
+        """Take the outputs of the longest done prefix; None when nothing new is done, or while the
+        previous release is still being published (see `publishing`)."""
+        if self._outstanding is not None:
+            return None
         offsets: list[int] = []
         i = self._head
         while i < len(self._order) and self._pending[self._order[i]] is not None:
@@ -86,17 +100,29 @@ class PartitionTracker:
             records.extend(self._pending.pop(off))
             del self._completed_at[off]
         self._head = i
-        if self._head > 1024:  # keep the list short without shifting on every release
-            self._order = self._order[self._head:]
-            self._head = 0
-        commit = offsets[-1] + 1
-        return Release(self.topic, self.partition, records, commit, offsets)
+        self._outstanding = Release(self.topic, self.partition, records, offsets[-1] + 1, offsets)
+        return self._outstanding
+
+    @property
+    def publishing(self) -> bool:
+        """A release was taken and is neither committed nor restored yet."""
+        return self._outstanding is not None
+
+    def _settle(self, release: Release) -> None:
+        if release is not self._outstanding:
+            raise ValueError(f"{self.topic}[{self.partition}]: not the release being published")
+        self._outstanding = None
 
     def mark_committed(self, release: Release) -> None:
+        self._settle(release)
         self.committed = release.commit_offset
+        if self._head > 1024:  # keep the list short without shifting on every release; restore() needs none
+            self._order = self._order[self._head:]
+            self._head = 0
 
     def restore(self, release: Release) -> None:
         """Put a release back after a failed publish, so the next flush retries it."""
+        self._settle(release)
         self._head -= len(release.offsets)
         for off in release.offsets:
             self._pending[off] = []

@@ -51,6 +51,8 @@ class Partitions:
         self._setup_lock = asyncio.Lock()  # set-ups and revocations one at a time
         self.setup_retry: asyncio.Task | None = None
         self._stall_logged: dict[tuple, float] = {}
+        # Partitions with records waiting: what their progress looked like, and since when unchanged.
+        self._progress: dict[TopicPartition, tuple[tuple, float]] = {}
 
     # ---- flow control --------------------------------------------------------
     def update_pause(self) -> None:
@@ -120,11 +122,12 @@ class Partitions:
         self.await_setup(tp, "fenced by another producer", retry_in_s=self._fenced_retry_s())
 
     def resync(self, tp: TopicPartition, reason: str) -> None:
-        """A transaction's outcome is unknown: set the partition up again from the committed offset."""
+        """Set the partition up again from the committed offset: a transaction's outcome is unknown,
+        or the partition stalled (check_progress)."""
         dropped = self.drop(tp)
         log.warning("resyncing partition: its in-flight work is dropped and redone from the committed offset",
                     partition=str(tp), reason=reason, dropped_in_flight=dropped)
-        self.await_setup(tp, "resync after an unknown transaction outcome", retry_in_s=0.0)
+        self.await_setup(tp, f"resync: {reason}", retry_in_s=0.0)
 
     # ---- set-up ---------------------------------------------------------------
     async def _set_up(self, tps, reason: str) -> None:
@@ -229,6 +232,54 @@ class Partitions:
                                 reason=wait.reason, seconds=round(now - wait.since, 1))
         for key in set(self._stall_logged) - seen:
             del self._stall_logged[key]
+
+    def check_progress(self, now: float, positions: dict[TopicPartition, int], ends: dict[TopicPartition, int],
+                       working: Callable[[TopicPartition], set[int]]) -> list[tuple[TopicPartition, str]]:
+        """Set up again each partition that has records waiting and has not moved for `stall_resync_s`.
+
+        Waiting: taken records that nothing works on (no request of theirs is being prepared, batched or
+        generated: `working` gives a partition's busy offsets), which would hold back every later offset
+        for good; or records between the position (`positions`) and the end of the log (`ends`, the last
+        stable offsets) that are not fetched while fetching is allowed. Neither happens by design, but a
+        Kafka client can wedge a partition after an outage; setting it up again (a resync) redoes its
+        uncommitted work from the committed offset, so nothing is lost or answered twice. Returns the
+        partitions resynced, each with its reason (PARTITION_STALL_REASONS)."""
+        if not self.active or self._stopping.is_set():
+            self._progress.clear()
+            return []
+        limit = self.config.worker.stall_resync_s
+        stalled = []
+        for tp, tracker in list(self.trackers.items()):
+            if tp in self.awaiting_setup:
+                self._progress.pop(tp, None)
+                continue
+            busy = working(tp)
+            orphans = [o for o in tracker.unfinished_offsets() if o not in busy]
+            pos, end = positions.get(tp), ends.get(tp)
+            # While the engine is full, not fetching is flow control, not a stall.
+            unfetched = 0 if pos is None or end is None or self.paused else max(0, end - pos)
+            if not orphans and not unfetched:
+                self._progress.pop(tp, None)
+                continue
+            marker = (pos, tracker.next_offset, tracker.committed, tuple(orphans))
+            seen = self._progress.get(tp)
+            if seen is None or seen[0] != marker:
+                self._progress[tp] = (marker, now)
+                continue
+            if now - seen[1] < limit:
+                continue
+            if orphans:
+                reason, detail = "orphaned", f"{len(orphans)} taken records nothing works on (from offset {orphans[0]})"
+            else:
+                reason, detail = "not_fetching", f"{unfetched} records after offset {pos} not fetched"
+            log.error("partition stalled; setting it up again", partition=str(tp), reason=reason, detail=detail,
+                      seconds=round(now - seen[1], 1))
+            del self._progress[tp]
+            self.resync(tp, f"no progress for {now - seen[1]:.0f} s: {detail}")
+            stalled.append((tp, reason))
+        for tp in set(self._progress) - set(self.trackers):
+            del self._progress[tp]
+        return stalled
 
     def _log_stall(self, key: tuple, now: float, event: str, **fields) -> None:
         if now - self._stall_logged.get(key, -1e9) >= STALL_LOG_EVERY_S:

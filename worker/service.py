@@ -170,7 +170,12 @@ class Worker:
             max_message_bytes=cfg.kafka.max_message_bytes, results_ready=self.flusher.results_ready,
         )
         self.health = Health(engine_loop=self.engine_loop, consumer=self.consumer, partitions=self.partitions,
-                             table=self.inflight, redis=self.redis, metrics=self.metrics)
+                             table=self.inflight, redis=self.redis, metrics=self.metrics,
+                             working=self._working_offsets)
+
+    def _working_offsets(self, tp) -> set[int]:
+        """Partition `tp`'s offsets whose requests are being prepared, batched, generated or finished."""
+        return self.inflight.offsets(tp) | self.intake.preparing_offsets(tp) | self.completion.finishing_offsets(tp)
 
     def _forget_work(self, tp) -> int:
         """A partition is gone: cancel its prepares and drop its in-flight requests."""
@@ -178,7 +183,7 @@ class Worker:
         return self.inflight.drop_partition(tp)
 
     async def _flush_revoked(self, revoked: list) -> None:
-        await self.flusher.flush_all(only=revoked)
+        await self.flusher.flush_all(only=revoked, complete=True)
 
     def _task_done(self, task: asyncio.Task) -> None:
         # A loop that dies would silently stop the worker's progress: make it loud
@@ -216,7 +221,7 @@ class Worker:
             self.inflight.abort_all()
         # Bounded: what is not committed by then is redelivered to the partition's next owner.
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.flusher.flush_all(), timeout=max(10.0, timeout))
+            await asyncio.wait_for(self.flusher.flush_all(complete=True), timeout=max(10.0, timeout))
         # Leave the group before anything else can stall: a stopping worker that stayed in it
         # would be handed partitions again and sit on them.
         with contextlib.suppress(Exception):

@@ -25,6 +25,10 @@ from tests.integration.worker_harness import Topics, WorkerProcess, write_config
 FAULT_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "flush_interval_ms": 50}
 # One torch thread each: several workers share a two-core machine.
 FAULT_EXECUTION = {"num_threads": 1, "max_batch_size": 16, "batch_timeout": "20ms"}
+# aiokafka's retry messages while a broker is away (worker_warnings leaves them out).
+_CLIENT_NOISE = ("Unable connect", "Unable to update metadata", "Failed fetch", "Group Coordinator Request failed",
+                 "Got error produce response", "Cannot send", "Could not send", "Heartbeat", "Error sending Heartbeat",
+                 "Marking the coordinator dead")
 
 
 @dataclass
@@ -157,6 +161,21 @@ class Fleet:
         """How many times any worker process of this fleet logged an event starting with `event`."""
         logs = {r.process.log_path: r.process for r in self.runs}
         return sum(str(e.get("event", "")).startswith(event) for p in logs.values() for e in p.log_events())
+
+    def worker_warnings(self, limit: int = 15) -> dict[str, list[str]]:
+        """The last `limit` warnings and errors each worker logged, for a failed run's report.
+        aiokafka's own connection retries are left out: every broker outage logs hundreds."""
+        out: dict[str, list[str]] = {}
+        for path, process in {r.process.log_path: r.process for r in self.runs}.items():
+            lines = []
+            for e in process.log_events():
+                event = str(e.get("event", ""))
+                if e.get("level") not in ("warning", "error", "critical") or event.startswith(_CLIENT_NOISE):
+                    continue
+                extra = {k: v for k, v in e.items() if k not in ("event", "level", "timestamp", "worker_id")}
+                lines.append(f"{str(e.get('timestamp', ''))[11:23]} {event[:160]} {extra}"[:400])
+            out[path.stem.split(".")[-1]] = lines[-limit:]
+        return out
 
     def shutdowns_that_handed_back_work(self, worker_id: str) -> int:
         """Shutdowns of `worker_id` that handed in-flight requests back for redelivery: aborted when the

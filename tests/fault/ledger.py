@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
-from schemas import ChatRequest, Message, Result, SchemaError, decode_result
+from schemas import ChatRequest, Message, Result, SchemaError, content_type_of, decode_request, decode_result
 from worker.client import RequestProducer, TopicReader
 
 WORDS = (
@@ -47,6 +47,7 @@ class Ledger:
     sent_at: dict[str, float] = field(default_factory=dict)
     first_read_at: dict[str, float] = field(default_factory=dict)
     results: dict[str, list[Result]] = field(default_factory=lambda: defaultdict(list))
+    undelivered: dict[str, str] = field(default_factory=dict)  # request id -> why the broker did not take it
 
     @classmethod
     def of(cls, ids: Iterable[str]) -> Ledger:
@@ -118,10 +119,16 @@ class Load:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             due += interval
             async with self._sending:
-                await self._producer.send(self.topic, req, fmt)
+                delivery = await self._producer.send(self.topic, req, fmt)
+                delivery.add_done_callback(lambda f, rid=req.id: self._delivered(rid, f))
                 self.ledger.sent_at[req.id] = time.monotonic()
                 self.sent += 1
         await self._producer.flush()
+
+    def _delivered(self, rid: str, delivery: asyncio.Future) -> None:
+        # A request the broker never took reads as lost: the report must tell that from a worker's loss.
+        if not delivery.cancelled() and delivery.exception() is not None:
+            self.ledger.undelivered[rid] = repr(delivery.exception())
 
     async def hold(self) -> None:
         self._open.clear()
@@ -169,6 +176,27 @@ async def read_committed(bootstrap: str, topic: str, timeout_s: float = 60.0) ->
         raise TimeoutError(f"{topic}: did not reach the end offsets {ends} in {timeout_s}s")
     finally:
         await consumer.stop()
+
+
+async def where_requests_are(bootstrap: str, topic: str, ids: Iterable[str]) -> dict:
+    """Where the requests `ids` sit in their request topic, for a run that lost them: how many never
+    reached it (the test's producer failed) and, for the rest, each partition's count and lowest offset
+    (one partition holding them all, from some offset on, points at that partition's worker)."""
+    wanted = set(ids)
+    found: dict[str, tuple[int, int]] = {}
+    for rec in await read_committed(bootstrap, topic):
+        try:
+            rid = decode_request(rec.value, content_type_of(rec.headers)).id
+        except SchemaError:
+            continue
+        if rid in wanted:
+            found.setdefault(rid, (rec.partition, rec.offset))
+    partitions: dict[int, dict[str, int]] = {}
+    for part, offset in found.values():
+        entry = partitions.setdefault(part, {"count": 0, "from_offset": offset})
+        entry["count"] += 1
+        entry["from_offset"] = min(entry["from_offset"], offset)
+    return {"not_in_request_topic": len(wanted - set(found)), "by_partition": partitions}
 
 
 async def audit(bootstrap: str, topic: str, expected: Iterable[str]) -> Audit:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fault.fleet import Fleet, Site
-from tests.fault.ledger import Audit, Ledger, Load, audit, chat_requests, follow
+from tests.fault.ledger import Audit, Ledger, Load, audit, chat_requests, follow, where_requests_are
 from tests.fault.private_kafka import PrivateKafka
 from tests.integration.redis_server import PrivateRedis
 from tests.integration.worker_harness import WorkerProcess
@@ -110,6 +110,17 @@ def _finish(test: str, load: str, faults: str, fleet: Fleet, ledger: Ledger, wal
     detail.update(lost=verdict.lost[:20], duplicated=dict(list(verdict.duplicated.items())[:20]),
                   crashed=crashed, errors=dict(list(verdict.errors.items())[:20]), committed_records=verdict.records,
                   answered_live=ledger.answered)
+    if ledger.undelivered:
+        failures.append(f"{len(ledger.undelivered)} requests never reached the broker (the test's producer "
+                        f"failed, not a worker): {dict(list(ledger.undelivered.items())[:5])}")
+    if verdict.lost:
+        # What a failed run's report needs to tell a lost request from a stuck partition or a client fault.
+        detail["lost_requests_at"] = asyncio.run(where_requests_are(fleet.site.bootstrap, fleet.topics.chat,
+                                                                    verdict.lost))
+    # The stall watchdog may rescue a run (worker.partitions.check_progress); the report says when it did.
+    detail["partition_stalls"] = fleet.log_events("partition stalled")
+    if verdict.lost or verdict.duplicated or crashed or failures or detail["partition_stalls"]:
+        detail["worker_warnings"] = fleet.worker_warnings()
     return Outcome(test, load, faults, len(verdict.lost), len(verdict.duplicated), len(crashed), wall,
                    errors=len(verdict.errors), failures=failures, detail=detail)
 

@@ -89,9 +89,12 @@ def soak(site: Site, *, minutes: float = 2.0, rate: float = 4.0, workers: int = 
         fleet.stop()
         verdict = asyncio.run(audit(site.bootstrap, fleet.topics.results, ledger.expected))
         crashed = fleet.crashed()
+        # Under steady load the stall watchdog must never step in: a stall here is a bug (or a false alarm).
+        stalls = fleet.log_events("partition stalled")
         outcome = Outcome(f"soak {minutes:g} min", f"{rate:g} req/s, {len(requests)} chat, {workers} workers",
                           "none (steady load)", len(verdict.lost), len(verdict.duplicated), len(crashed), wall,
                           errors=len(verdict.errors),
+                          failures=[f"{stalls} partitions stalled and were set up again"] if stalls else [],
                           detail={"lost": verdict.lost[:20], "duplicated": verdict.duplicated, "crashed": crashed,
                                   "errors": dict(list(verdict.errors.items())[:20])})
         return SoakReport(outcome, rows, samples)

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 
 
 def check(outcome: scenarios.Outcome) -> None:
-    print(outcome.row(), outcome.detail)
+    print(outcome.row(), {k: v for k, v in outcome.detail.items() if k != "worker_warnings"})
+    for worker, lines in outcome.detail.get("worker_warnings", {}).items():
+        print(f"{worker}'s last warnings:", *lines, sep="\n  ")
     assert not outcome.problems(), (outcome.problems(), outcome.detail)
 
 

@@ -193,6 +193,7 @@ def test_unknown_section_in_file(tmp_path):
         ("risk:\n  default_labels: [a, a]\n", "risk.default_labels: labels must be unique"),
         ("model:\n  max_seq_len: 256\n", "chat.default_max_tokens: must be below model.max_seq_len (256)"),
         ("worker:\n  max_inflight: 4\n", "worker.max_inflight: must be >= execution.max_batch_size (16)"),
+        ("worker:\n  stall_resync_s: 2\n", "worker.stall_resync_s: must be at least 5 s"),
         ("execution: [1, 2]\n", "execution: expected `object`, got `array`"),
         ("- just\n- a list\n", "expected a mapping of sections at the top level, got list"),
     ],

@@ -20,6 +20,7 @@ def test_out_of_order_completion_waits_for_the_prefix():
     t.complete(10, [rec(10)])
     r = t.release()
     assert (r.commit_offset, [x.key for x in r.records], r.offsets) == (11, [b"10"], [10])
+    t.mark_committed(r)
     t.complete(11, [rec(11)])
     r = t.release()
     # Outputs in the order they were completed: 12 before 11.
@@ -87,7 +88,53 @@ def test_many_releases_keep_order_compact():
         t.complete(off, [rec(off)])
         r = t.release()
         assert r.commit_offset == off + 1
+        t.mark_committed(r)
     assert t.in_flight == 0
+
+
+def test_a_second_release_waits_until_the_first_is_committed_or_restored():
+    """Two flushes of one partition (the flush loop and a rebalance's) must not both hold a release:
+    restoring the first would rewind over the second's offsets, and committing the second would
+    then skip the first's outputs."""
+    t = PartitionTracker("in", 0)
+    for off in (0, 1):
+        t.register(off)
+    t.complete(0, [rec(0)])
+    first = t.release()
+    assert t.publishing
+    t.complete(1, [rec(1)])
+    assert t.release() is None  # the first is still being published
+    t.restore(first)  # its transaction failed
+    again = t.release()
+    assert again.offsets == [0, 1] and [x.key for x in again.records] == [b"0", b"1"] and again.commit_offset == 2
+    with pytest.raises(ValueError):
+        t.mark_committed(first)  # settled already
+    t.mark_committed(again)
+    assert not t.publishing and t.in_flight == 0 and t.committed == 2
+
+
+def test_a_failed_publish_of_the_release_that_compacts_retries_the_same_records():
+    t = PartitionTracker("in", 0)
+    for off in range(1023):
+        t.register(off)
+        t.complete(off, [rec(off)])
+        t.mark_committed(t.release())
+    for off in (1023, 1024):  # this release takes the list past the length at which it is compacted
+        t.register(off)
+        t.complete(off, [rec(off)])
+    r = t.release()
+    t.restore(r)
+    again = t.release()
+    assert again.offsets == [1023, 1024] and again.commit_offset == 1025
+    assert [x.key for x in again.records] == [b"1023", b"1024"]
+
+
+def test_awaits_tells_which_results_are_still_wanted():
+    t = PartitionTracker("in", 0, start_offset=5)
+    t.register(5)
+    assert t.awaits(5) and not t.awaits(4) and not t.awaits(6)
+    t.complete(5, [])
+    assert not t.awaits(5)
 
 
 def test_next_offset_starts_at_the_committed_offset_and_follows_registrations():

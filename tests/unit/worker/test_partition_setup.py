@@ -185,3 +185,88 @@ def test_unread_fenced_futures_are_not_logged_as_errors_and_other_loop_errors_st
     fenced_elsewhere = {"message": "Task exception was never retrieved", "exception": ProducerFenced()}
     quiet_fenced_futures(loop, fenced_elsewhere)
     assert loop.seen == [other, fenced_elsewhere]
+
+
+class GatedPublisher(FakePublisher):
+    """Publishes hold until the test opens their gate; records every release it was given."""
+
+    def __init__(self, consumer: FakeConsumer) -> None:
+        super().__init__(consumer)
+        self.gates: list[asyncio.Future] = []
+        self.published: list[list[int]] = []
+
+    async def publish(self, release):
+        gate = asyncio.get_running_loop().create_future()
+        self.gates.append(gate)
+        outcome = await gate
+        if outcome is True:
+            self.published.append(list(release.offsets))
+        return outcome
+
+
+async def _a_revoked_partitions_flush_waits_for_the_publish_in_progress_then_sends_the_rest():
+    consumer = FakeConsumer([TP0], committed={TP0: 0})
+    publisher = GatedPublisher(consumer)
+    w, flusher = partitions(consumer, publisher)
+    await w.on_assigned({TP0})
+    tracker = w.trackers[TP0]
+    for off in (0, 1):
+        tracker.register(off)
+    tracker.complete(0, [OutRecord("results", b"0", b"v0")])
+    loop_flush = asyncio.create_task(flusher.flush_all())  # the flush loop's: publishes offset 0
+    await asyncio.sleep(0)
+    tracker.complete(1, [OutRecord("results", b"1", b"v1")])
+    revoke_flush = asyncio.create_task(flusher.flush_all(only=[TP0], complete=True))
+    await asyncio.sleep(0)
+    assert len(publisher.gates) == 1  # no second release while the first is being published
+    publisher.gates[0].set_result(False)  # the first transaction failed: its records go back
+    await loop_flush
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(publisher.gates) == 2
+    publisher.gates[1].set_result(True)
+    await revoke_flush
+    # Before, the revocation's flush took offset 1 alone beside the failing publish of 0 and committed
+    # past it, so offset 0's result was never published.
+    assert publisher.published == [[0, 1]] and tracker.committed == 2 and not tracker.publishing
+
+
+def test_a_revoked_partitions_flush_waits_for_the_publish_in_progress_then_sends_the_rest():
+    asyncio.run(asyncio.wait_for(_a_revoked_partitions_flush_waits_for_the_publish_in_progress_then_sends_the_rest(),
+                                 timeout=10))
+
+
+async def _a_stalled_partition_is_set_up_again_and_a_busy_or_moving_one_is_not():
+    consumer = FakeConsumer([TP0, TP1], committed={TP0: 10, TP1: 5})
+    w, flusher = partitions(consumer, FakePublisher(consumer))
+    await w.on_assigned({TP0, TP1})
+    limit = w.config.worker.stall_resync_s
+    w.trackers[TP0].register(10)  # taken, and nothing works on it: it would hold TP0 back for good
+    w.trackers[TP1].register(5)  # taken and being generated
+    working = {TP0: set(), TP1: {5}}
+    positions, ends = {TP0: 11, TP1: 6}, {TP0: 11, TP1: 6}
+
+    def check(now):
+        return w.check_progress(now, positions, ends, lambda tp: working[tp])
+
+    assert check(100.0) == [] and check(100.0 + limit - 1) == []
+    assert check(100.0 + limit) == [(TP0, "orphaned")]
+    assert TP0 not in w.trackers and w.awaiting_setup[TP0].reason.startswith("resync: no progress")
+    await flusher.flush_all()  # the flush loop sets it up again from the committed offset
+    await w.setup_retry
+    assert w.trackers[TP0].next_offset == 10 and consumer.position[TP0] == 10 and TP0 not in consumer.paused
+    assert check(100.0 + 10 * limit) == []  # TP1's request is still being worked on: never a stall
+
+    # Records in the log that are not fetched: a stall too, unless the worker paused fetching (engine full).
+    positions[TP0], ends[TP0] = 10, 14
+    assert check(1000.0) == []
+    positions[TP0] = 12  # it moved: the wait starts again
+    assert check(1000.0 + limit) == []
+    w.paused = True
+    assert check(1000.0 + 3 * limit) == []
+    w.paused = False
+    assert check(2000.0) == [] and check(2000.0 + limit) == [(TP0, "not_fetching")]
+
+
+def test_a_stalled_partition_is_set_up_again_and_a_busy_or_moving_one_is_not():
+    asyncio.run(_a_stalled_partition_is_set_up_again_and_a_busy_or_moving_one_is_not())

@@ -74,7 +74,7 @@ class FakePartitions:
         raise AssertionError("the partition is set up")
 
 
-def _parts(batcher=None, max_running: int = 64):
+def _parts(batcher=None, max_running: int = 64, chat=None):
     config = ServiceConfig()
     topics = SimpleNamespace(request_topics={"chat": TOPIC}, results="results", deltas="deltas", dlq="dlq")
     metrics = WorkerMetrics(CollectorRegistry())
@@ -87,7 +87,7 @@ def _parts(batcher=None, max_running: int = 64):
     completion = Completion(table=table, trackers=partitions.trackers, deltas=None, ctx=ctx, metrics=metrics,
                             topics=topics, log_prompts=False, redis=None, results_ready=ready,
                             on_progress=partitions.update_pause)
-    intake = Intake(consumer=None, partitions=partitions, handlers={"chat": TwoRounds(), "asr": RefusesAsr()}, ctx=ctx, table=table,
+    intake = Intake(consumer=None, partitions=partitions, handlers={"chat": chat or TwoRounds(), "asr": RefusesAsr()}, ctx=ctx, table=table,
                     completion=completion, metrics=metrics, dlq_topic="dlq", max_message_bytes=1 << 20,
                     results_ready=ready)
     return intake, table, completion, engine_loop, partitions.trackers[TP], ready
@@ -150,6 +150,48 @@ async def _an_asr_error_is_keyed_by_its_stream_and_carries_its_seq():
     [record] = tracker.release().records
     result = decode_result(record.value)
     assert (record.key, result.stream_id, result.seq, result.status) == (b"s9", "s9", 3, "error")
+
+
+class OneJob:
+    """One job per request; the request "bad" finishes with a result that cannot be encoded."""
+
+    kind = "chat"
+
+    async def prepare(self, request, ctx) -> Prepared:
+        return Prepared(work=[Work([1, 2, 3], SamplingParams(max_tokens=4))])
+
+    async def finish(self, request, prepared, outputs, ctx):
+        return Result(id=request.id, kind="chat", text=object() if request.id == "bad" else outputs[0].text)
+
+
+async def _a_request_that_breaks_completion_costs_the_others_of_its_step_nothing():
+    intake, table, completion, _, tracker, _ = _parts(chat=OneJob())
+    for offset, rid in enumerate(("bad", "good")):
+        chat = b'{"id": "%s", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}' % rid.encode()
+        await intake.take(_record(offset, chat))
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/0", "x"), _done("requests/0/1/0", "ok")]))
+    # Before, the first request's exception ended the event: the second's output was dropped, neither
+    # offset was ever answered, and the partition waited on them for good.
+    results = [decode_result(r.value) for r in tracker.release().records]
+    assert [(r.id, r.status) for r in results] == [("bad", "error"), ("good", "ok")] and len(table) == 0
+    assert results[0].error.code == "internal" and results[1].text == "ok"
+
+
+async def _a_result_its_partition_no_longer_waits_for_is_dropped_not_raised():
+    intake, table, completion, _, tracker, _ = _parts(chat=OneJob())
+    chat = b'{"id": "c3", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    await intake.take(_record(0, chat))
+    tracker.complete(0, [])  # answered meanwhile (say, by a deadline failure racing the output)
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/0", "late")]))
+    assert len(table) == 0 and [r.value for r in tracker.release().records] == []
+
+
+def test_a_request_that_breaks_completion_costs_the_others_of_its_step_nothing():
+    asyncio.run(_a_request_that_breaks_completion_costs_the_others_of_its_step_nothing())
+
+
+def test_a_result_its_partition_no_longer_waits_for_is_dropped_not_raised():
+    asyncio.run(_a_result_its_partition_no_longer_waits_for_is_dropped_not_raised())
 
 
 def test_a_request_with_a_second_round():
