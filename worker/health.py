@@ -85,7 +85,7 @@ class Health:
                     with contextlib.suppress(KafkaError):  # revoked meanwhile
                         positions[tp] = await self.consumer.position(tp)
                 ends = await self.consumer.end_offsets(tps) if tps else {}
-        for _tp, reason in self.partitions.check_progress(time.monotonic(), positions, ends, self.working):
+        for _tp, reason in await self.partitions.check_progress(time.monotonic(), positions, ends, self.working):
             self.metrics.inc_partition_stall(reason)
 
     async def run_housekeeping(self) -> None:

@@ -233,8 +233,9 @@ class Partitions:
         for key in set(self._stall_logged) - seen:
             del self._stall_logged[key]
 
-    def check_progress(self, now: float, positions: dict[TopicPartition, int], ends: dict[TopicPartition, int],
-                       working: Callable[[TopicPartition], set[int]]) -> list[tuple[TopicPartition, str]]:
+    async def check_progress(self, now: float, positions: dict[TopicPartition, int],
+                             ends: dict[TopicPartition, int],
+                             working: Callable[[TopicPartition], set[int]]) -> list[tuple[TopicPartition, str]]:
         """Set up again each partition that has records waiting and has not moved for `stall_resync_s`.
 
         Waiting: taken records that nothing works on (no request of theirs is being prepared, batched or
@@ -242,8 +243,9 @@ class Partitions:
         for good; or records between the position (`positions`) and the end of the log (`ends`, the last
         stable offsets) that are not fetched while fetching is allowed. Neither happens by design, but a
         Kafka client can wedge a partition after an outage; setting it up again (a resync) redoes its
-        uncommitted work from the committed offset, so nothing is lost or answered twice. Returns the
-        partitions resynced, each with its reason (PARTITION_STALL_REASONS)."""
+        uncommitted work from the committed offset, so nothing is lost or answered twice. A release being
+        published is progress (bounded by the publish timeout): the clock runs on, but no stall is declared
+        under it. Returns the partitions resynced, each with its reason (PARTITION_STALL_REASONS)."""
         if not self.active or self._stopping.is_set():
             self._progress.clear()
             return []
@@ -266,7 +268,7 @@ class Partitions:
             if seen is None or seen[0] != marker:
                 self._progress[tp] = (marker, now)
                 continue
-            if now - seen[1] < limit:
+            if now - seen[1] < limit or tracker.publishing:
                 continue
             if orphans:
                 reason, detail = "orphaned", f"{len(orphans)} taken records nothing works on (from offset {orphans[0]})"
@@ -275,6 +277,13 @@ class Partitions:
             log.error("partition stalled; setting it up again", partition=str(tp), reason=reason, detail=detail,
                       seconds=round(now - seen[1], 1))
             del self._progress[tp]
+            # NOTE: the producer goes first, as in a revocation (under the partition's transaction lock).
+            # The set-up then starts a new one, whose InitProducerId finishes anything the old one left
+            # before the committed offset is read; a kept producer would fence nothing, and a transaction
+            # still committing could then cover offsets the new set-up reads again.
+            await self.publisher.remove_partitions([tp])
+            if self.trackers.get(tp) is not tracker:
+                continue  # revoked or resynced meanwhile
             self.resync(tp, f"no progress for {now - seen[1]:.0f} s: {detail}")
             stalled.append((tp, reason))
         for tp in set(self._progress) - set(self.trackers):

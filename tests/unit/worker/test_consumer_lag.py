@@ -53,7 +53,7 @@ def test_the_stall_check_reads_positions_and_end_offsets_and_counts_each_resync(
 
     seen = {}
 
-    def check_progress(now, positions, ends, working):
+    async def check_progress(now, positions, ends, working):
         seen.update(positions=positions, ends=ends, working=working(a))
         return [(a, "not_fetching")]
 

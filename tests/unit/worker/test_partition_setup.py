@@ -238,7 +238,8 @@ def test_a_revoked_partitions_flush_waits_for_the_publish_in_progress_then_sends
 
 async def _a_stalled_partition_is_set_up_again_and_a_busy_or_moving_one_is_not():
     consumer = FakeConsumer([TP0, TP1], committed={TP0: 10, TP1: 5})
-    w, flusher = partitions(consumer, FakePublisher(consumer))
+    publisher = FakePublisher(consumer)
+    w, flusher = partitions(consumer, publisher)
     await w.on_assigned({TP0, TP1})
     limit = w.config.worker.stall_resync_s
     w.trackers[TP0].register(10)  # taken, and nothing works on it: it would hold TP0 back for good
@@ -246,26 +247,34 @@ async def _a_stalled_partition_is_set_up_again_and_a_busy_or_moving_one_is_not()
     working = {TP0: set(), TP1: {5}}
     positions, ends = {TP0: 11, TP1: 6}, {TP0: 11, TP1: 6}
 
-    def check(now):
-        return w.check_progress(now, positions, ends, lambda tp: working[tp])
+    async def check(now):
+        return await w.check_progress(now, positions, ends, lambda tp: working[tp])
 
-    assert check(100.0) == [] and check(100.0 + limit - 1) == []
-    assert check(100.0 + limit) == [(TP0, "orphaned")]
+    assert await check(100.0) == [] and await check(100.0 + limit - 1) == []
+    assert await check(100.0 + limit) == [(TP0, "orphaned")]
     assert TP0 not in w.trackers and w.awaiting_setup[TP0].reason.startswith("resync: no progress")
+    # Its producer went first: the set-up's new one fences whatever the old one left.
+    assert TP0 not in publisher.producers and TP1 in publisher.producers
     await flusher.flush_all()  # the flush loop sets it up again from the committed offset
     await w.setup_retry
     assert w.trackers[TP0].next_offset == 10 and consumer.position[TP0] == 10 and TP0 not in consumer.paused
-    assert check(100.0 + 10 * limit) == []  # TP1's request is still being worked on: never a stall
+    assert TP0 in publisher.producers
+    assert await check(100.0 + 10 * limit) == []  # TP1's request is still being worked on: never a stall
 
     # Records in the log that are not fetched: a stall too, unless the worker paused fetching (engine full).
     positions[TP0], ends[TP0] = 10, 14
-    assert check(1000.0) == []
+    assert await check(1000.0) == []
     positions[TP0] = 12  # it moved: the wait starts again
-    assert check(1000.0 + limit) == []
+    assert await check(1000.0 + limit) == []
     w.paused = True
-    assert check(1000.0 + 3 * limit) == []
+    assert await check(1000.0 + 3 * limit) == []
     w.paused = False
-    assert check(2000.0) == [] and check(2000.0 + limit) == [(TP0, "not_fetching")]
+    assert await check(2000.0) == []
+    w.trackers[TP0].register(12)
+    w.trackers[TP0].complete(12, [OutRecord("results", b"k", b"v")])
+    w.trackers[TP0].release()  # a release being published: no stall is declared under it
+    positions[TP0] = 13
+    assert await check(2100.0) == [] and await check(2100.0 + limit) == []
 
 
 def test_a_stalled_partition_is_set_up_again_and_a_busy_or_moving_one_is_not():
