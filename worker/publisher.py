@@ -251,10 +251,66 @@ class TransactionalPublisher:
         await self.remove_partitions(list(self._producers))
 
 
+def sender_died(producer: AIOKafkaProducer) -> bool:
+    """Whether aiokafka has ended `producer` for good: its sender task failed (an unexpected error in
+    it, seen after a broker restart; or a fatal one such as OutOfOrderSequenceNumber), and from then
+    on every send raises that failure. aiokafka has no public call for this; a producer without the
+    attribute reads as alive."""
+    task = getattr(getattr(producer, "_sender", None), "sender_task", None)
+    return task is not None and task.done() and not task.cancelled() and task.exception() is not None
+
+
+class ReplaceableProducer:
+    """A producer outside transactions that is replaced by a new one when aiokafka has ended it
+    (sender_died), at most once per `retry_s`. A transactional producer is not: the partition's
+    resync starts its next one (TransactionalPublisher)."""
+
+    def __init__(self, make: Callable[[], AIOKafkaProducer], name: str, retry_s: float = 5.0,
+                 start_timeout_s: float = 30.0) -> None:
+        self._make = make
+        self._name = name
+        self._retry_s = retry_s
+        self._start_timeout_s = start_timeout_s
+        self._last_try = float("-inf")
+        self.producer = make()
+
+    async def start(self) -> None:
+        await self.producer.start()
+
+    async def replace_if_ended(self) -> bool:
+        """Start a new producer in place of an ended one; True when the producer was replaced."""
+        now = time.monotonic()
+        if not sender_died(self.producer) or now - self._last_try < self._retry_s:
+            return False
+        self._last_try = now
+        fresh = self._make()
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await fresh.start()
+        except Exception as exc:
+            log.warning("the %s producer ended and a new one could not start yet: %r", self._name, exc)
+            await _stop_quietly(fresh, self._start_timeout_s)
+            return False
+        ended, self.producer = self.producer, fresh
+        log.warning("the %s producer had ended (%r); replaced it", self._name, ended._sender.sender_task.exception())
+        await _stop_quietly(ended, self._start_timeout_s)
+        return True
+
+    async def stop(self) -> None:
+        await self.producer.stop()
+
+
+async def _stop_quietly(producer: AIOKafkaProducer, timeout_s: float) -> None:
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            await producer.stop()
+
+
 class AtLeastOncePublisher:
     def __init__(self, client_kwargs: dict, commit: Callable[[dict[TopicPartition, int]], Awaitable[None]],
                  on_transaction: Callable[[str], None] | None = None) -> None:
-        self._producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True, linger_ms=2)
+        self._producer = ReplaceableProducer(
+            lambda: AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True, linger_ms=2), "results")
         self._commit = commit
         self._on_txn = on_transaction or (lambda outcome: None)
 
@@ -275,8 +331,9 @@ class AtLeastOncePublisher:
 
     async def publish(self, release: Release) -> bool:
         tp = TopicPartition(release.topic, release.partition)
+        producer = self._producer.producer
         try:
-            futures = [await self._producer.send(r.topic, r.value, key=r.key, headers=list(r.headers))
+            futures = [await producer.send(r.topic, r.value, key=r.key, headers=list(r.headers))
                        for r in release.records]
             await asyncio.gather(*futures)
             # Only now are the outputs durable; the offset may follow.
@@ -286,6 +343,8 @@ class AtLeastOncePublisher:
         except KafkaError as exc:
             log.warning("at-least-once publish for %s failed, will retry: %r", tp, exc)
             self._on_txn("aborted")
+            # An ended producer would fail every retry for good: the next flush gets a new one.
+            await self._producer.replace_if_ended()
             return False
 
     async def close(self) -> None:
@@ -296,18 +355,26 @@ class DeltaPublisher:
     """Token deltas for streaming: best effort, outside any transaction."""
 
     def __init__(self, client_kwargs: dict, on_error: Callable[[], None] | None = None) -> None:
-        self._producer = AIOKafkaProducer(**client_kwargs, acks=1, linger_ms=5)
+        self._producer = ReplaceableProducer(lambda: AIOKafkaProducer(**client_kwargs, acks=1, linger_ms=5), "deltas")
         self._on_error = on_error or (lambda: None)
 
     async def start(self) -> None:
         await self._producer.start()
 
     async def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
-        try:
-            await self._producer.send(topic, value, key=key, headers=headers)
-        except KafkaError as exc:
-            log.debug("delta dropped: %r", exc)
-            self._on_error()
+        # A producer that aiokafka ended would drop every later delta, so streaming would stop for good:
+        # it is replaced, and the delta sent once more.
+        for attempt in range(2):
+            try:
+                sent = await self._producer.producer.send(topic, value, key=key, headers=headers)
+                sent.add_done_callback(_retrieve)  # best effort: a lost delta is not an error anyone awaits
+                return
+            except KafkaError as exc:
+                if attempt == 0 and await self._producer.replace_if_ended():
+                    continue
+                log.debug("delta dropped: %r", exc)
+                self._on_error()
+                return
 
     async def close(self) -> None:
         await self._producer.stop()

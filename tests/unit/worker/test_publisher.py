@@ -11,10 +11,16 @@ import asyncio
 
 import pytest
 from aiokafka import TopicPartition
-from aiokafka.errors import ProducerFenced
+from aiokafka.errors import KafkaError, ProducerFenced
 
 from worker.offsets import Release
-from worker.publisher import PartitionLost, PartitionResync, TransactionalPublisher
+from worker.publisher import (
+    PartitionLost,
+    PartitionResync,
+    ReplaceableProducer,
+    TransactionalPublisher,
+    sender_died,
+)
 
 TP = TopicPartition("requests", 0)
 
@@ -216,3 +222,45 @@ def test_a_failed_transaction_that_cannot_be_aborted_asks_for_a_resync():
 
 def test_busy_reports_the_stage_of_a_publish_in_progress():
     asyncio.run(_busy_reports_the_stage_of_a_publish_in_progress())
+
+
+class EndedOrAlive:
+    """Just what ReplaceableProducer reads of an AIOKafkaProducer: start, stop and the sender's task."""
+
+    def __init__(self, starts: bool = True) -> None:
+        self.starts = starts
+        self.stopped = False
+        self._sender = type("Sender", (), {"sender_task": None})()
+
+    async def start(self) -> None:
+        if not self.starts:
+            raise OSError("broker unreachable")
+        self._sender.sender_task = asyncio.get_running_loop().create_future()  # running
+
+    def end(self) -> None:
+        self._sender.sender_task.set_exception(KafkaError("Unexpected error during batch delivery"))
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+async def _an_ended_producer_is_replaced_at_most_once_per_retry_interval():
+    made: list[EndedOrAlive] = []
+
+    def make() -> EndedOrAlive:
+        made.append(EndedOrAlive(starts=len(made) != 1))  # the first replacement fails to start
+        return made[-1]
+
+    holder = ReplaceableProducer(make, "test", retry_s=60.0)
+    await holder.start()
+    assert not await holder.replace_if_ended()  # alive: kept
+    made[0].end()
+    assert sender_died(made[0])
+    assert not await holder.replace_if_ended() and holder.producer is made[0] and made[1].stopped  # start failed
+    assert not await holder.replace_if_ended() and len(made) == 2  # and no new try within retry_s
+    holder._last_try -= 60.0
+    assert await holder.replace_if_ended() and holder.producer is made[2] and made[0].stopped
+
+
+def test_an_ended_producer_is_replaced_at_most_once_per_retry_interval():
+    asyncio.run(_an_ended_producer_is_replaced_at_most_once_per_retry_interval())
