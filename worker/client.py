@@ -13,8 +13,10 @@ import time
 from collections.abc import Iterable
 
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode
+from worker.publisher import ReplaceableProducer
 
 CONTENT_TYPES = {"json": b"application/json", "msgpack": b"application/msgpack"}
 
@@ -25,7 +27,10 @@ class MissingTopicError(RuntimeError):
 
 class RequestProducer:
     def __init__(self, bootstrap_servers: str, **kwargs) -> None:
-        self._producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **kwargs)
+        # Replaced when aiokafka ends it (a failed sender task), so a long-lived client keeps sending.
+        self._producer = ReplaceableProducer(
+            lambda: AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **kwargs),
+            "request")
         self._topics: set[str] = set()  # seen in the broker's metadata
 
     async def __aenter__(self) -> RequestProducer:
@@ -44,15 +49,22 @@ class RequestProducer:
         Raises MissingTopicError for a topic the broker lacks, within seconds (aiokafka itself waits out its
         request timeout)."""
         if topic not in self._topics:
-            await _partitions(self._producer.client, topic)
+            await _partitions(self._producer.producer.client, topic)
             self._topics.add(topic)
         value = request if isinstance(request, bytes) else encode(request, fmt)
         rid = key if key is not None else getattr(request, "stream_id", None) or getattr(request, "id", None)
-        return await self._producer.send(topic, value, key=rid.encode() if rid else None,
-                                         headers=[("content-type", CONTENT_TYPES[fmt])] if fmt in CONTENT_TYPES else [])
+        headers = [("content-type", CONTENT_TYPES[fmt])] if fmt in CONTENT_TYPES else []
+        kafka_key = rid.encode() if rid else None
+        try:
+            return await self._producer.producer.send(topic, value, key=kafka_key, headers=headers)
+        except KafkaError:
+            # An ended producer refuses the record before taking it, so a new one can send it once more.
+            if not await self._producer.replace_if_ended():
+                raise
+        return await self._producer.producer.send(topic, value, key=kafka_key, headers=headers)
 
     async def flush(self) -> None:
-        await self._producer.flush()
+        await self._producer.producer.flush()
 
 
 async def _partitions(client: AIOKafkaClient, topic: str, attempts: int = 50) -> list[TopicPartition]:

@@ -1,5 +1,6 @@
-"""Producers that aiokafka has ended, against the real broker: the streaming-delta producer and the
-at-least-once results producer are replaced, so deltas and results keep flowing.
+"""Producers that aiokafka has ended, against the real broker: the streaming-delta producer, the
+at-least-once results producer and the client's request producer are replaced, so deltas, results and
+requests keep flowing.
 
 aiokafka ends a producer for good when its sender task fails (it raised "Unexpected error in sender
 routine" in a fault test, after a broker restart): the task's done-callback fails everything pending and
@@ -16,6 +17,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from worker.client import RequestProducer
 from worker.offsets import OutRecord, Release
 from worker.publisher import AtLeastOncePublisher, DeltaPublisher, sender_died
 
@@ -96,3 +98,16 @@ def test_deltas_keep_flowing_after_their_producer_ended(kafka_bootstrap, make_to
 
 def test_at_least_once_results_resume_after_their_producer_ended(kafka_bootstrap, make_topic):
     asyncio.run(_at_least_once_results_resume_after_their_producer_ended(kafka_bootstrap, make_topic("results")))
+
+
+async def _a_client_keeps_sending_requests_after_its_producer_ended(bootstrap: str, topic: str) -> None:
+    async with RequestProducer(bootstrap) as producer:
+        await (await producer.send(topic, b"first"))
+        await end(producer._producer.producer, topic)
+        delivered = await (await producer.send(topic, b"second"))  # before: KafkaError on every send, for good
+    assert delivered.topic == topic
+    assert await read_all(bootstrap, topic, 2) == [b"first", b"second"]
+
+
+def test_a_client_keeps_sending_requests_after_its_producer_ended(kafka_bootstrap, make_topic):
+    asyncio.run(_a_client_keeps_sending_requests_after_its_producer_ended(kafka_bootstrap, make_topic("requests")))

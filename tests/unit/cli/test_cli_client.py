@@ -73,7 +73,7 @@ def test_clients_that_fail_to_start_close_what_they_opened():
     producer = asyncio.run(start(lambda: RequestProducer(server, request_timeout_ms=2000)))
     reader = asyncio.run(start(lambda: TopicReader(server, "t", request_timeout_ms=2000)))
     # aiokafka warns "Unclosed AIOKafkaProducer/Consumer" when one is collected unstopped.
-    assert producer._producer._closed and reader._consumer._closed
+    assert producer._producer.producer._closed and reader._consumer._closed
 
 
 def test_consume_timeout_counts_idle_seconds(monkeypatch):
