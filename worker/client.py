@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterable
 
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
 
 from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode
 from worker.publisher import ReplaceableProducer
@@ -54,14 +53,7 @@ class RequestProducer:
         value = request if isinstance(request, bytes) else encode(request, fmt)
         rid = key if key is not None else getattr(request, "stream_id", None) or getattr(request, "id", None)
         headers = [("content-type", CONTENT_TYPES[fmt])] if fmt in CONTENT_TYPES else []
-        kafka_key = rid.encode() if rid else None
-        try:
-            return await self._producer.producer.send(topic, value, key=kafka_key, headers=headers)
-        except KafkaError:
-            # An ended producer refuses the record before taking it, so a new one can send it once more.
-            if not await self._producer.replace_if_ended():
-                raise
-        return await self._producer.producer.send(topic, value, key=kafka_key, headers=headers)
+        return await self._producer.send(topic, value, rid.encode() if rid else None, headers)
 
     async def flush(self) -> None:
         await self._producer.producer.flush()

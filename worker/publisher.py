@@ -296,6 +296,16 @@ class ReplaceableProducer:
         await _stop_quietly(ended, self._start_timeout_s)
         return True
 
+    async def send(self, topic: str, value: bytes, key: bytes | None, headers: list[tuple[str, bytes]]) -> asyncio.Future:
+        """Send one record; returns its delivery future. An ended producer refuses a record before it
+        takes it, so after a replacement the record is sent once more; other KafkaErrors propagate."""
+        try:
+            return await self.producer.send(topic, value, key=key, headers=headers)
+        except KafkaError:
+            if not await self.replace_if_ended():
+                raise
+        return await self.producer.send(topic, value, key=key, headers=headers)
+
     async def stop(self) -> None:
         await self.producer.stop()
 
@@ -363,18 +373,14 @@ class DeltaPublisher:
 
     async def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
         # A producer that aiokafka ended would drop every later delta, so streaming would stop for good:
-        # it is replaced, and the delta sent once more.
-        for attempt in range(2):
-            try:
-                sent = await self._producer.producer.send(topic, value, key=key, headers=headers)
-                sent.add_done_callback(_retrieve)  # best effort: a lost delta is not an error anyone awaits
-                return
-            except KafkaError as exc:
-                if attempt == 0 and await self._producer.replace_if_ended():
-                    continue
-                log.debug("delta dropped: %r", exc)
-                self._on_error()
-                return
+        # ReplaceableProducer.send replaces it and sends the delta once more.
+        try:
+            sent = await self._producer.send(topic, value, key, headers)
+        except KafkaError as exc:
+            log.debug("delta dropped: %r", exc)
+            self._on_error()
+            return
+        sent.add_done_callback(_retrieve)  # best effort: a lost delta is not an error anyone awaits
 
     async def close(self) -> None:
         await self._producer.stop()
