@@ -142,6 +142,10 @@ def register(app: typer.Typer) -> None:
             _talk(cfg, _consume(cfg, name, role, from_beginning, limit, timeout))
 
 
+# How long `produce --stream` goes on reading deltas after the result came (deltas are best effort).
+DELTA_GRACE_S = 2.0
+
+
 async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
     from worker.client import RequestProducer, TopicReader, collect_results
 
@@ -155,12 +159,20 @@ async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
     async with TopicReader(servers, cfg.topics.results, **kwargs) as results:
         deltas_task = None
         if stream:
-            deltas_task = asyncio.create_task(_print_deltas(servers, kwargs, cfg.topics.deltas, req.id, timeout))
-            await asyncio.sleep(0.5)
+            # The request goes out only once the deltas reader holds its start offsets: a delta written
+            # before that would be missed.
+            positioned = asyncio.Event()
+            deltas_task = asyncio.create_task(
+                _print_deltas(servers, kwargs, cfg.topics.deltas, req.id, timeout, positioned))
+            waiter = asyncio.create_task(positioned.wait())
+            await asyncio.wait({deltas_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
         async with RequestProducer(servers, **kwargs) as producer:
             await producer.send(topic, req, fmt)
         got = await collect_results(results, [req.id], timeout)
         if deltas_task:
+            # Deltas and results are separate topics: the last deltas may be read after the result.
+            await asyncio.wait({deltas_task}, timeout=DELTA_GRACE_S)
             deltas_task.cancel()
     if req.id not in got:
         return None
@@ -169,11 +181,12 @@ async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
     return result
 
 
-async def _print_deltas(servers, kwargs, topic, rid, timeout):
+async def _print_deltas(servers, kwargs, topic, rid, timeout, positioned: asyncio.Event):
     from schemas import decode_delta
     from worker.client import TopicReader
 
     async with TopicReader(servers, topic, **kwargs) as reader:
+        positioned.set()
         async for rec in reader.records(timeout):
             delta = decode_delta(rec.value)
             if delta.id == rid:
