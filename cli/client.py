@@ -190,10 +190,14 @@ async def _print_deltas(servers, kwargs, topic, rid, timeout, positioned: asynci
         async for rec in reader.records(timeout):
             delta = decode_delta(rec.value)
             if delta.id == rid:
+                if delta.restart:
+                    sys.stderr.write("\n[the answer broke a rule; generating it again]\n")
                 sys.stderr.write(delta.text)
+                if delta.finished:
+                    sys.stderr.write("\n[stream ended by an error; the result says why]\n"
+                                     if delta.finish_reason == "error" else "\n")
                 sys.stderr.flush()
                 if delta.finished:
-                    sys.stderr.write("\n")
                     return
 
 

@@ -74,6 +74,7 @@ from schemas.results import (
     Timing,
     Usage,
     Violation,
+    add_usage,
     error_result,
     result_key,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "Timing",
     "Usage",
     "Violation",
+    "add_usage",
     "content_type_of",
     "decode_dead_letter",
     "decode_delta",

@@ -25,9 +25,9 @@ import msgspec
 from schemas.errors import ErrorCode, ErrorInfo
 from schemas.version import always_written, version_field
 
-# finish_reason values workers write today. Readers must accept others, so the
-# field is a plain str: a new reason must not break an old client.
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+# finish_reason values workers write today ("error" only on the last delta of a request that failed).
+# Readers must accept others, so the field is a plain str: a new reason must not break an old client.
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
 Status = Literal["ok", "error"]
 
@@ -44,6 +44,13 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+
+
+def add_usage(a: Usage, b: Usage) -> Usage:
+    """The tokens of two pieces of work on one request (a chat's rule repair runs a second generation)."""
+    return Usage(prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+                 completion_tokens=a.completion_tokens + b.completion_tokens,
+                 cached_tokens=a.cached_tokens + b.cached_tokens)
 
 
 class Timing(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,7 +117,10 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True):
     """A piece of streamed output (topic `infinilm.deltas`, best effort, key = request id).
 
     `index` counts the deltas of one request from 0, so a client can spot a
-    gap or a duplicate. The last delta has `finished` set and a `finish_reason`.
+    gap or a duplicate. The last delta has `finished` set and a `finish_reason`
+    (the result's, or "error" when the request failed; its result says why).
+    `restart` set: the text streamed so far is void (a chat answer that broke
+    a rule is being generated again); the new answer's text follows.
     """
 
     v: int = version_field()
@@ -119,6 +129,7 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True):
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    restart: bool = False
 
 
 def error_result(
@@ -132,8 +143,10 @@ def error_result(
     timing: Timing | None = None,
     stream_id: str | None = None,
     seq: int | None = None,
+    usage: Usage | None = None,
 ) -> Result:
-    """An error `Result`; `kind` None (unreadable) is written as "". An asr chunk's error names its stream."""
+    """An error `Result`; `kind` None (unreadable) is written as "". An asr chunk's error names its stream;
+    `usage`: the tokens the request consumed before it failed."""
     return Result(
         id=request_id,
         kind=kind or "",
@@ -142,6 +155,7 @@ def error_result(
         worker=worker,
         model=model,
         timing=timing if timing is not None else Timing(),
+        usage=usage if usage is not None else Usage(),
         stream_id=stream_id,
         seq=seq,
     )

@@ -19,7 +19,7 @@ import structlog
 from aiokafka import TopicPartition
 
 from engine import RequestError, RequestOutput
-from schemas import Delta, ErrorCode, Result, Timing, encode, error_result, result_key
+from schemas import Delta, ErrorCode, Result, Timing, Usage, add_usage, encode, error_result, result_key
 from worker.engine_loop import EngineEvent
 from worker.handlers import HandlerContext, Prepared
 from worker.inflight import InFlight, InFlightTable
@@ -53,6 +53,7 @@ class Completion:
         self._on_progress = on_progress
         self._speculative = speculative
         self._finishing: set[tuple[TopicPartition, int]] = set()  # requests whose handler is finishing them
+        self._delta_tasks: set[asyncio.Task] = set()  # last deltas of failed requests, sent from a sync path
 
     # ---- engine events ---------------------------------------------------
     async def run(self, events: asyncio.Queue[EngineEvent]) -> None:
@@ -100,8 +101,14 @@ class Completion:
     async def _on_output(self, fl: InFlight, out: RequestOutput) -> None:
         if self._speculative and out.new_token_ids:
             self.metrics.observe_step_tokens(fl.request.kind, len(out.new_token_ids))
-        if fl.stream[fl.engine_ids.index(out.request_id)] and (out.new_text or out.finished):
-            await self._send_delta(fl, out)
+        job = fl.engine_ids.index(out.request_id)
+        fl.latest[job] = out
+        if fl.stream[job]:
+            if out.finished:
+                # Its last delta waits for the handler: a second round would make this text void.
+                fl.delta_tail += out.new_text
+            elif out.new_text:
+                await self._send_delta(fl, out.new_text)
         if not out.finished:
             return
         if out.error is not None:
@@ -132,27 +139,43 @@ class Completion:
             return
         if fl.done:
             return  # answered or dropped while the handler finished (a deadline, a revoked partition)
+        streamed = any(fl.stream)
         if isinstance(result, Prepared):
-            self.table.admit(fl, result)  # a second round: back to the engine through the table
+            # A second round: back to the engine through the table. Its usage adds to this round's, and a
+            # streaming client is told to drop the text so far before the new answer's deltas come.
+            fl.spent = add_usage(fl.spent, _usage(fl.outputs))
+            tail, fl.delta_tail = fl.delta_tail, ""
+            self.table.admit(fl, result)
+            if streamed:
+                if tail:
+                    await self._send_delta(fl, tail)
+                await self._send_delta(fl, "", restart=True)
             return
         fl.done = True
+        if fl.round > 1:
+            result = msgspec.structs.replace(result, usage=add_usage(fl.spent, result.usage))
         self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs)
+        if streamed:
+            await self._send_delta(fl, fl.delta_tail, finished=True, finish_reason=result.finish_reason)
 
     def _fail(self, fl: InFlight, code: str, message: str) -> None:
         if self.table.withdraw(fl):
             self.complete_failure(fl, code, message)
 
-    async def _send_delta(self, fl: InFlight, out: RequestOutput) -> None:
-        delta = Delta(id=fl.request.id, index=fl.delta_index, text=out.new_text, finished=out.finished,
-                      finish_reason=out.finish_reason if out.finished else None)
-        fl.delta_index += 1
+    async def _send_delta(self, fl: InFlight, text: str, *, finished: bool = False,
+                          finish_reason: str | None = None, restart: bool = False) -> None:
+        delta = Delta(id=fl.request.id, index=fl.delta_index, text=text, finished=finished,
+                      finish_reason=finish_reason, restart=restart)
+        fl.delta_index += 1  # taken before the send: a delta sent meanwhile gets the next index
         await self.deltas.send(self.topics.deltas, fl.request.id.encode(), encode(delta, fl.fmt),
                                [("content-type", CONTENT_TYPE[fl.fmt])])
 
     # ---- results ---------------------------------------------------------
     def complete(self, tp: TopicPartition, offset: int, request, result: Result, fmt: str, consumed_at: float,
-                 outputs: list[RequestOutput] | None = None) -> None:
-        timing = _timing(consumed_at, outputs)
+                 outputs: list[RequestOutput] | None = None, progress: list[RequestOutput] | None = None) -> None:
+        """`outputs`: the finished jobs of an answered request; `progress`: a failed request's latest outputs,
+        which give its timing but stay out of the latency metrics."""
+        timing = _timing(consumed_at, outputs or progress)
         result = msgspec.structs.replace(result, timing=timing, worker=self.ctx.worker_id, model=self.ctx.model_name)
         self._publish_result(tp, offset, result, fmt)
         # Metric labels stay bounded: an unreadable kind counts under its topic's kind.
@@ -175,16 +198,25 @@ class Completion:
         log.debug("request finished", request_id=result.id, kind=kind, status=status, total_ms=timing.total_ms)
 
     def complete_error(self, tp: TopicPartition, offset: int, request_id: str, kind, code, message: str, fmt: str,
-                       consumed_at: float, request=None) -> None:
+                       consumed_at: float, request=None, progress: list[RequestOutput] | None = None,
+                       spent: Usage | None = None) -> None:
+        """An error result; `progress` and `spent`: what a request that failed on its way consumed."""
         # An asr chunk's error carries its stream, so it is keyed, and ordered, with the stream's other results.
+        usage = add_usage(spent or Usage(), _usage(progress or []))
         result = error_result(request_id, kind, code, message, stream_id=getattr(request, "stream_id", None),
-                              seq=getattr(request, "seq", None))
-        self.complete(tp, offset, None, result, fmt, consumed_at)
+                              seq=getattr(request, "seq", None), usage=usage)
+        self.complete(tp, offset, None, result, fmt, consumed_at, progress=progress)
 
     def complete_failure(self, fl: InFlight, code: str, message: str) -> None:
-        """The in-flight table's failure sink: a request taken out of it early gets an error result."""
+        """The in-flight table's failure sink: a request taken out of it early gets an error result, with the
+        tokens it consumed; a streaming client gets a last delta that ends its stream."""
+        progress = [out for out in fl.latest if out is not None]
         self.complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at,
-                            fl.request)
+                            fl.request, progress, fl.spent)
+        if any(fl.stream):
+            task = asyncio.create_task(self._send_delta(fl, fl.delta_tail, finished=True, finish_reason="error"))
+            self._delta_tasks.add(task)
+            task.add_done_callback(self._delta_tasks.discard)
 
     def _publish_result(self, tp: TopicPartition, offset: int, result: Result, fmt: str) -> None:
         tracker = self.trackers.get(tp)
@@ -200,6 +232,14 @@ class Completion:
                            (("content-type", CONTENT_TYPE[fmt]),))
         tracker.complete(offset, [record])
         self._results_ready.set()
+
+
+def _usage(outputs: list[RequestOutput | None]) -> Usage:
+    """The tokens the engine processed for these outputs (finished or not): prompts, tokens generated, cache hits."""
+    done = [o for o in outputs if o is not None]
+    return Usage(prompt_tokens=sum(len(o.prompt_token_ids) for o in done),
+                 completion_tokens=sum(len(o.token_ids) for o in done),
+                 cached_tokens=sum(o.num_cached_tokens for o in done))
 
 
 def _timing(consumed_at: float, outputs: list[RequestOutput] | None) -> Timing:

@@ -19,13 +19,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import TopicPartition
 
 from engine import RequestOutput
-from schemas import ErrorCode
+from schemas import ErrorCode, Usage
 from worker.batcher import Batch, Batcher, BatchItem
 from worker.engine_loop import EngineJob, EngineLoop
 from worker.handlers import Handler, Prepared
@@ -49,6 +49,11 @@ class InFlight:
     delta_index: int = 0
     round: int = 0  # how many times work was handed to the engine (a handler may ask for a second round)
     done: bool = False
+    # What an error result reports as consumed: each job's latest output this round, and earlier rounds' usage.
+    latest: list[RequestOutput | None] = field(default_factory=list)
+    spent: Usage = field(default_factory=Usage)
+    # A streamed job's last text, held back until the request's outcome says whether it is final.
+    delta_tail: str = ""
 
 
 # How often the batch timer looks for requests past their deadline, at the longest.
@@ -88,6 +93,7 @@ class InFlightTable:
         fl.engine_ids = [f"{base}/{i}" if fl.round == 1 else f"{base}/r{fl.round}/{i}"
                          for i in range(len(prepared.work))]
         fl.outputs = [None] * len(prepared.work)
+        fl.latest = [None] * len(prepared.work)
         fl.stream = [w.stream for w in prepared.work]
         for engine_id, work in zip(fl.engine_ids, prepared.work, strict=True):
             self._entries[engine_id] = fl

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import signal
 import time
 
 import pytest
 
 from schemas import AsrRequest, Delta, RiskItem, RiskRequest, decode_delta
 from tests.integration.worker_harness import chat, send_and_collect
-from worker.client import TopicReader
+from worker.client import RequestProducer, TopicReader, collect_results
 
 pytestmark = pytest.mark.integration
 
@@ -25,22 +27,34 @@ def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_se
     w = start(model="smollm2", execution={"async_scheduling": pipelined})
     w.wait_ready(timeout=300)
     req = chat("s1", "Count from one to ten in words.", max_tokens=40, stream=True)
+    # Any visible character breaks this rule, so the first answer is generated again (and breaks it again).
+    repaired = chat("s2", "Name three colours.", max_tokens=12, stream=True, rules=[r"forbid_regex: \S"])
 
     async def run():
         async with TopicReader(kafka_bootstrap, topics.deltas) as deltas:
-            got = await send_and_collect(kafka_bootstrap, topics, [(topics.chat, req, "json")], ["s1"], linger=0.5)
-            pieces: list[Delta] = []
+            got = await send_and_collect(kafka_bootstrap, topics, [(topics.chat, req, "json"),
+                                                                   (topics.chat, repaired, "json")],
+                                         ["s1", "s2"], linger=0.5)
+            pieces: dict[str, list[Delta]] = {"s1": [], "s2": []}
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not (pieces and pieces[-1].finished):
-                pieces += [d for d in (decode_delta(r.value) for r in await deltas.poll()) if d.id == "s1"]
+            while time.monotonic() < deadline and not all(p and p[-1].finished for p in pieces.values()):
+                for d in (decode_delta(r.value) for r in await deltas.poll()):
+                    pieces.setdefault(d.id, []).append(d)
         return got, pieces
 
     got, pieces = asyncio.run(run())
-    result = got["s1"][0]
-    assert result.status == "ok" and result.text
-    assert [d.index for d in pieces] == list(range(len(pieces)))
-    assert pieces[-1].finished and pieces[-1].finish_reason == result.finish_reason
-    assert "".join(d.text for d in pieces) == result.text
+    for rid in ("s1", "s2"):
+        result, streamed = got[rid][0], pieces[rid]
+        assert result.status == "ok" and result.text
+        assert [d.index for d in streamed] == list(range(len(streamed)))
+        assert streamed[-1].finished and streamed[-1].finish_reason == result.finish_reason
+        # What a client shows: the text after the last restart.
+        restarts = [i for i, d in enumerate(streamed) if d.restart]
+        shown = streamed[restarts[-1] + 1:] if restarts else streamed
+        assert "".join(d.text for d in shown) == result.text
+    assert not any(d.restart for d in pieces["s1"])
+    # s2's first answer was voided by one restart (the second breaks the rule too, and is reported so).
+    assert sum(d.restart for d in pieces["s2"]) == 1 and got["s2"][0].compliance.passed is False
 
 
 async def read_topic(bootstrap: str, topic: str, count: int, timeout_s: float = 30) -> list:
@@ -144,3 +158,46 @@ def test_asr_and_risk_errors_are_answered(worker_setup, kafka_bootstrap):
     assert (got["neg-seq"][0].stream_id, got["neg-seq"][0].seq) == ("x", -1)
     gap = got["gap-5"][0].error
     assert gap.code == "sequence_gap" and "waited 2s for chunk 0" in gap.message, gap
+
+
+def test_a_chat_past_its_deadline_mid_generation_reports_its_tokens_and_ends_its_stream(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start(model="smollm2")
+    w.wait_ready(timeout=300)
+    # The worker is stopped from its first delta until past the deadline: the request is then mid-generation.
+    deadline_ms = int(time.time() * 1000) + 8_000
+    req = chat("late", "Write a long essay about the history of Rome.", max_tokens=1000, stream=True,
+               deadline_ms=deadline_ms)
+
+    async def deltas_of(reader, pieces: list[Delta]) -> None:
+        pieces += [d for d in (decode_delta(r.value) for r in await reader.poll()) if d.id == "late"]
+
+    async def run():
+        async with TopicReader(kafka_bootstrap, topics.results) as results, \
+                TopicReader(kafka_bootstrap, topics.deltas) as deltas:
+            async with RequestProducer(kafka_bootstrap) as producer:
+                await producer.send(topics.chat, req, "json")
+            pieces: list[Delta] = []
+            until = time.monotonic() + 60
+            while not pieces and time.monotonic() < until:
+                await deltas_of(deltas, pieces)
+            assert pieces and not pieces[0].finished, "no delta before the deadline"
+            os.kill(w.proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(max(0.0, deadline_ms / 1000 - time.time()) + 0.5)
+            finally:
+                os.kill(w.proc.pid, signal.SIGCONT)
+            got = await collect_results(results, ["late"], 60)
+            until = time.monotonic() + 30
+            while not pieces[-1].finished and time.monotonic() < until:
+                await deltas_of(deltas, pieces)
+        return got, pieces
+
+    got, pieces = asyncio.run(run())
+    [result] = got["late"]
+    assert (result.status, result.error.code) == ("error", "deadline_exceeded")
+    # The tokens it consumed before it failed: the prompt, and at least the generated text that was streamed.
+    assert result.usage.prompt_tokens > 10 and result.usage.completion_tokens >= 1
+    assert 0 < result.timing.ttft_ms < result.timing.total_ms
+    assert [d.index for d in pieces] == list(range(len(pieces)))
+    assert (pieces[-1].finished, pieces[-1].finish_reason) == (True, "error")

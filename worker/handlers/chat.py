@@ -85,8 +85,8 @@ class ChatHandler:
         params = sampling_params_for(req, banned=state.rules.banned_phrases, deterministic=deterministic,
                                      speculative=ctx.config.speculative.chat,
                                      default_max_tokens=ctx.config.chat.default_max_tokens)
-        # A repair attempt streams nothing: the first attempt's deltas were already sent.
-        return Work(token_ids, params, stream=req.stream and state.attempt == 0, images=state.images,
+        # A repair attempt streams too, after a `restart` delta that voids the first attempt's text.
+        return Work(token_ids, params, stream=req.stream, images=state.images,
                     image_positions=extra)
 
     async def prepare(self, req: ChatRequest, ctx: HandlerContext) -> Prepared:

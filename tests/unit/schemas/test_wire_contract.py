@@ -22,6 +22,7 @@ from schemas import (
     Timing,
     Usage,
     Violation,
+    decode_delta,
     decode_result,
     encode,
     error_result,
@@ -44,7 +45,7 @@ TIMING_KEYS = {"queue_ms", "ttft_ms", "total_ms"}
 COMPLIANCE_KEYS = {"passed", "violations"}
 VIOLATION_KEYS = {"rule", "detail"}
 RISK_ITEM_KEYS = {"id", "scores", "label"}
-DELTA_KEYS = {"v", "id", "index", "text", "finished", "finish_reason"}
+DELTA_KEYS = {"v", "id", "index", "text", "finished", "finish_reason", "restart"}
 DEAD_LETTER_KEYS = {"v", "topic", "partition", "offset", "payload", "reason", "ts_ms", "key", "headers", "worker"}
 
 
@@ -129,8 +130,15 @@ def test_every_delta_has_every_key(fmt):
     first = plain(Delta(id="s1", index=0, text="He"), fmt)
     last = plain(Delta(id="s1", index=3, finished=True, finish_reason="length"), fmt)
     assert set(first) == set(last) == DELTA_KEYS
-    assert (first["finished"], first["finish_reason"]) == (False, None)
+    assert (first["finished"], first["finish_reason"], first["restart"]) == (False, None, False)
     assert (last["text"], last["finish_reason"]) == ("", "length")
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_a_delta_from_before_restart_existed_still_decodes(fmt):
+    old = {"v": 1, "id": "s1", "index": 2, "text": "x", "finished": False, "finish_reason": None}
+    wire = json.dumps(old).encode() if fmt == "json" else msgpack.packb(old)
+    assert decode_delta(wire) == Delta(id="s1", index=2, text="x")
 
 
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])

@@ -14,7 +14,8 @@ from aiokafka import TopicPartition
 from prometheus_client import CollectorRegistry
 
 from engine import RequestError, RequestOutput, SamplingParams
-from schemas import Result, decode_dead_letter, decode_result
+from engine.outputs import RequestMetrics
+from schemas import Result, Usage, decode_dead_letter, decode_delta, decode_result
 from worker.batcher import make_batcher
 from worker.completion import Completion
 from worker.config import ServiceConfig
@@ -74,7 +75,7 @@ class FakePartitions:
         raise AssertionError("the partition is set up")
 
 
-def _parts(batcher=None, max_running: int = 64, chat=None):
+def _parts(batcher=None, max_running: int = 64, chat=None, deltas=None):
     config = ServiceConfig()
     topics = SimpleNamespace(request_topics={"chat": TOPIC}, results="results", deltas="deltas", dlq="dlq")
     metrics = WorkerMetrics(CollectorRegistry())
@@ -84,7 +85,7 @@ def _parts(batcher=None, max_running: int = 64, chat=None):
     batcher = make_batcher("fifo", max_batch_size=1, batch_timeout_s=0.0) if batcher is None else batcher
     table = InFlightTable(batcher, engine_loop, metrics, on_failed=lambda fl, code, msg: completion.complete_failure(
         fl, code, msg), max_running=max_running)
-    completion = Completion(table=table, trackers=partitions.trackers, deltas=None, ctx=ctx, metrics=metrics,
+    completion = Completion(table=table, trackers=partitions.trackers, deltas=deltas, ctx=ctx, metrics=metrics,
                             topics=topics, log_prompts=False, redis=None, results_ready=ready,
                             on_progress=partitions.update_pause)
     intake = Intake(consumer=None, partitions=partitions, handlers={"chat": chat or TwoRounds(), "asr": RefusesAsr()}, ctx=ctx, table=table,
@@ -269,3 +270,92 @@ def test_a_deadline_sent_as_a_duration_is_named_as_one():
     assert deadline_message(int(now) - 5, now, "finished").startswith("deadline passed 5 ms before the request")
     message = deadline_message(5000, now, "could start")
     assert message.endswith("(deadline_ms is a Unix epoch time in milliseconds; 5000 is 5 s after 1970)")
+
+
+class RecordedDeltas:
+    """The delta publisher's interface, keeping what was sent."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    async def send(self, topic, key, value, headers) -> None:
+        self.sent.append(decode_delta(value))
+
+    def seen(self) -> list[tuple]:
+        return [(d.index, d.text, d.finished, d.finish_reason, d.restart) for d in self.sent]
+
+
+class StreamsAndRepairs:
+    """A streamed chat whose first answer breaks a rule: a second round of one job, then the result."""
+
+    kind = "chat"
+
+    async def prepare(self, request, ctx) -> Prepared:
+        return Prepared(work=[Work([1, 2, 3], SamplingParams(max_tokens=4), stream=True)])
+
+    async def finish(self, request, prepared, outputs, ctx):
+        (out,) = outputs
+        if len(out.prompt_token_ids) == 3 and request.id == "repaired":
+            return Prepared(work=[Work([1, 2, 3, 4], SamplingParams(max_tokens=4), stream=True)])
+        return Result(id=request.id, kind="chat", text=out.text, finish_reason=out.finish_reason,
+                      usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                                  cached_tokens=out.num_cached_tokens))
+
+
+def _step(engine_id, prompt, tokens, text, new_text, *, finished=False, cached=0, first_token_at=None):
+    metrics = RequestMetrics(time.monotonic(), first_token_at, first_token_at, None)
+    return RequestOutput(engine_id, None, prompt, tokens, text, tokens[-1:], new_text, finished=finished,
+                         finish_reason="stop" if finished else None, num_cached_tokens=cached, metrics=metrics)
+
+
+async def _a_request_past_its_deadline_mid_generation_reports_what_it_consumed_and_ends_its_stream():
+    deltas = RecordedDeltas()
+    intake, table, completion, _, tracker, _ = _parts(chat=StreamsAndRepairs(), deltas=deltas)
+    deadline = int(time.time() * 1000) + 3_600_000
+    chat = b'{"id": "late", "kind": "chat", "messages": [{"role": "user", "content": "hi"}], "deadline_ms": %d}'
+    assert await intake.take(_record(0, chat % deadline))
+    first_token_at = time.monotonic()
+    await completion.on_engine_event(EngineEvent(outputs=[
+        _step("requests/0/0/0", [1, 2, 3], [7, 8], "ab", "ab", cached=2, first_token_at=first_token_at)]))
+    await asyncio.sleep(0.02)
+    assert table.expire(now_ms=deadline + 1) == 1
+    await asyncio.sleep(0)  # the stream's last delta goes out from a task
+    [record] = tracker.release().records
+    result = decode_result(record.value)
+    assert (result.status, result.error.code) == ("error", "deadline_exceeded")
+    # Before, a request failed mid-generation reported no tokens at all, and its ttft was its total time.
+    assert result.usage == Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=2)
+    assert 0 < result.timing.ttft_ms < result.timing.total_ms - 10
+    # A streaming client learns that the stream ended (before, its last delta never came).
+    assert deltas.seen() == [(0, "ab", False, None, False), (1, "", True, "error", False)]
+
+
+def test_a_request_past_its_deadline_mid_generation_reports_what_it_consumed_and_ends_its_stream():
+    asyncio.run(_a_request_past_its_deadline_mid_generation_reports_what_it_consumed_and_ends_its_stream())
+
+
+async def _a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_rounds():
+    deltas = RecordedDeltas()
+    intake, table, completion, engine_loop, tracker, _ = _parts(chat=StreamsAndRepairs(), deltas=deltas)
+    chat = b'{"id": "repaired", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+    assert await intake.take(_record(0, chat))
+    await completion.on_engine_event(EngineEvent(outputs=[_step("requests/0/0/0", [1, 2, 3], [7], "bad ", "bad ")]))
+    await completion.on_engine_event(EngineEvent(outputs=[
+        _step("requests/0/0/0", [1, 2, 3], [7, 8], "bad one", "one", finished=True, cached=1)]))
+    assert engine_loop.jobs == ["requests/0/0/0", "requests/0/0/r2/0"] and tracker.release() is None
+    await completion.on_engine_event(EngineEvent(outputs=[_step("requests/0/0/r2/0", [1, 2, 3, 4], [5], "good ", "good ")]))
+    await completion.on_engine_event(EngineEvent(outputs=[
+        _step("requests/0/0/r2/0", [1, 2, 3, 4], [5, 6, 9], "good one", "one", finished=True, cached=3)]))
+    [record] = tracker.release().records
+    result = decode_result(record.value)
+    assert (result.status, result.text) == ("ok", "good one") and len(table) == 0
+    assert result.usage == Usage(prompt_tokens=3 + 4, completion_tokens=2 + 3, cached_tokens=1 + 3)
+    # The first answer's text is voided by a restart delta, then the repaired answer streams to its end.
+    # Before, the stream showed the first answer and ended there, while the result held the second.
+    assert deltas.seen() == [(0, "bad ", False, None, False), (1, "one", False, None, False),
+                             (2, "", False, None, True), (3, "good ", False, None, False),
+                             (4, "one", True, "stop", False)]
+
+
+def test_a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_rounds():
+    asyncio.run(_a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_rounds())
