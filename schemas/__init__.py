@@ -42,6 +42,7 @@ from schemas.codec import (
     encode,
     format_for_content_type,
     sniff_format,
+    unknown_request_fields,
 )
 from schemas.dead_letter import DeadLetter
 from schemas.errors import ErrorCode, ErrorInfo, SchemaError
@@ -142,6 +143,7 @@ __all__ = [
     "image_data",
     "result_key",
     "sniff_format",
+    "unknown_request_fields",
     "usable_id",
     "validate_asr",
     "validate_chat",

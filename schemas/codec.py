@@ -18,6 +18,7 @@ from schemas.errors import ErrorCode, SchemaError
 from schemas.kv_events import KVEventBatch
 from schemas.requests import KINDS, AsrRequest, Request
 from schemas.results import Delta, Result
+from schemas.unknown_fields import UnknownField, unknown_fields
 from schemas.validation import DEFAULT_LIMITS, RequestLimits, usable_id, validate_request
 from schemas.version import SCHEMA_VERSION
 
@@ -240,6 +241,17 @@ def decode_request(
         raise SchemaError(
             ErrorCode.internal, _clip(f"unexpected {type(exc).__name__} while decoding: {exc}")
         ) from exc
+
+
+def unknown_request_fields(payload: bytes, content_type: str | bytes | None, request: Request) -> list[UnknownField]:
+    """The keys of a request that `decode_request` accepted but no field reads (see schemas.unknown_fields)."""
+    try:
+        data, fmt = _prepare(payload, content_type, None)
+        value = msgspec.json.decode(data) if fmt == "json" else msgspec.msgpack.decode(data)
+        return unknown_fields(value, type(request))
+    # It decoded once already; a failure here must not cost the request its answer.
+    except Exception:
+        return []
 
 
 def _decode_record(

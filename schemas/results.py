@@ -12,6 +12,7 @@ The wire contract (what a plain `json.loads` / `msgpack.unpackb` client sees):
   result has `stream_id` and `seq` when the request was readable);
 - risk results add `items`, each with every field of `RiskItemResult`;
 - chat results add `compliance` when the request had `rules`;
+- any result adds `ignored_fields` when the request had keys no field reads;
 - every delta and dead letter has all its fields (null where unset).
 tests/unit/schemas/test_wire_contract.py pins these key sets.
 """
@@ -111,6 +112,9 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     committed_text: str | None = None
     items: list[RiskItemResult] | None = None
     compliance: Compliance | None = None
+    # The request's keys that no field reads (a typo, a parameter this service lacks), as paths such as
+    # "max_token" or "messages[0].nmae"; None when there were none (see schemas.unknown_fields).
+    ignored_fields: list[str] | None = None
 
 
 class Delta(msgspec.Struct, frozen=True, kw_only=True):

@@ -154,7 +154,7 @@ class Completion:
         fl.done = True
         if fl.round > 1:
             result = msgspec.structs.replace(result, usage=add_usage(fl.spent, result.usage))
-        self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs)
+        self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs, ignored=fl.ignored)
         if streamed:
             await self._send_delta(fl, fl.delta_tail, finished=True, finish_reason=result.finish_reason)
 
@@ -172,11 +172,13 @@ class Completion:
 
     # ---- results ---------------------------------------------------------
     def complete(self, tp: TopicPartition, offset: int, request, result: Result, fmt: str, consumed_at: float,
-                 outputs: list[RequestOutput] | None = None, progress: list[RequestOutput] | None = None) -> None:
+                 outputs: list[RequestOutput] | None = None, progress: list[RequestOutput] | None = None,
+                 ignored: tuple[str, ...] = ()) -> None:
         """`outputs`: the finished jobs of an answered request; `progress`: a failed request's latest outputs,
-        which give its timing but stay out of the latency metrics."""
+        which give its timing but stay out of the latency metrics; `ignored`: the request's unread keys."""
         timing = _timing(consumed_at, outputs or progress)
-        result = msgspec.structs.replace(result, timing=timing, worker=self.ctx.worker_id, model=self.ctx.model_name)
+        result = msgspec.structs.replace(result, timing=timing, worker=self.ctx.worker_id, model=self.ctx.model_name,
+                                         ignored_fields=list(ignored) or None)
         self._publish_result(tp, offset, result, fmt)
         # Metric labels stay bounded: an unreadable kind counts under its topic's kind.
         kind = result.kind if result.kind in self._kind_topics else self._topic_kinds.get(tp.topic, "chat")
@@ -199,20 +201,20 @@ class Completion:
 
     def complete_error(self, tp: TopicPartition, offset: int, request_id: str, kind, code, message: str, fmt: str,
                        consumed_at: float, request=None, progress: list[RequestOutput] | None = None,
-                       spent: Usage | None = None) -> None:
+                       spent: Usage | None = None, ignored: tuple[str, ...] = ()) -> None:
         """An error result; `progress` and `spent`: what a request that failed on its way consumed."""
         # An asr chunk's error carries its stream, so it is keyed, and ordered, with the stream's other results.
         usage = add_usage(spent or Usage(), _usage(progress or []))
         result = error_result(request_id, kind, code, message, stream_id=getattr(request, "stream_id", None),
                               seq=getattr(request, "seq", None), usage=usage)
-        self.complete(tp, offset, None, result, fmt, consumed_at, progress=progress)
+        self.complete(tp, offset, None, result, fmt, consumed_at, progress=progress, ignored=ignored)
 
     def complete_failure(self, fl: InFlight, code: str, message: str) -> None:
         """The in-flight table's failure sink: a request taken out of it early gets an error result, with the
         tokens it consumed; a streaming client gets a last delta that ends its stream."""
         progress = [out for out in fl.latest if out is not None]
         self.complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at,
-                            fl.request, progress, fl.spent)
+                            fl.request, progress, fl.spent, fl.ignored)
         if any(fl.stream):
             task = asyncio.create_task(self._send_delta(fl, fl.delta_tail, finished=True, finish_reason="error"))
             self._delta_tasks.add(task)

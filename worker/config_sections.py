@@ -173,6 +173,9 @@ class WorkerConfig(Settings):
     deadline_check: bool = True
     # A partition with work waiting that has not moved for this long is set up again (worker.partitions).
     stall_resync_s: Seconds = 60.0
+    # A request key that no field reads: "report" serves the request and names the key in the result's
+    # `ignored_fields`; "reject" answers it invalid_request.
+    unknown_fields: Literal["report", "reject"] = "report"
 
     def __post_init__(self) -> None:
         require(self.stall_resync_s >= 5.0, "stall_resync_s",

@@ -54,6 +54,7 @@ class InFlight:
     spent: Usage = field(default_factory=Usage)
     # A streamed job's last text, held back until the request's outcome says whether it is final.
     delta_tail: str = ""
+    ignored: tuple[str, ...] = ()  # the request's keys no field reads, named in its result
 
 
 # How often the batch timer looks for requests past their deadline, at the longest.

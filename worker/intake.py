@@ -27,6 +27,7 @@ from schemas import (
     encode,
     format_for_content_type,
     sniff_format,
+    unknown_request_fields,
 )
 from worker.completion import CONTENT_TYPE, Completion
 from worker.handlers import Handler, HandlerContext
@@ -104,19 +105,32 @@ class Intake:
                 self.completion.complete_error(tp, record.offset, exc.request_id, exc.kind, exc.code, exc.message,
                                                fmt, consumed_at, exc)
             return True
+        ignored: tuple[str, ...] = ()
+        if unknown := unknown_request_fields(payload, content_type, request):
+            self.metrics.inc_ignored_fields(request.kind)
+            ignored = tuple(f.path for f in unknown)
+            if self.ctx.config.worker.unknown_fields == "reject":
+                names = ", ".join(f.describe() for f in unknown)
+                self.completion.complete_error(
+                    tp, record.offset, request.id, request.kind, ErrorCode.invalid_request,
+                    f"unknown field(s) {names}: this service does not read them (worker.unknown_fields: reject)",
+                    fmt, consumed_at, request, ignored=ignored)
+                return True
         handler = self.handlers.get(request.kind)
         if handler is None:
             self.completion.complete_error(tp, record.offset, request.id, request.kind, ErrorCode.unsupported_kind,
-                                           f"this worker does not serve kind {request.kind!r} yet", fmt, consumed_at)
+                                           f"this worker does not serve kind {request.kind!r} yet", fmt, consumed_at,
+                                           ignored=ignored)
             return True
+        prepare = self._prepare(tp, record.offset, request, handler, fmt, consumed_at, ignored)
         if getattr(handler, "defer_prepare", False):
             # This handler may wait (an ASR chunk for its predecessor): run it beside
             # the consume loop, which must keep polling.
-            task = asyncio.create_task(self._prepare(tp, record.offset, request, handler, fmt, consumed_at))
+            task = asyncio.create_task(prepare)
             self.preparing[task] = tp
             task.add_done_callback(self.preparing.pop)
         else:
-            await self._prepare(tp, record.offset, request, handler, fmt, consumed_at)
+            await prepare
         return True
 
     def preparing_offsets(self, tp: TopicPartition) -> set[int]:
@@ -124,37 +138,38 @@ class Intake:
         return set(self._preparing_offsets.get(tp, ()))
 
     async def _prepare(self, tp: TopicPartition, offset: int, request, handler: Handler, fmt: str,
-                       consumed_at: float) -> None:
+                       consumed_at: float, ignored: tuple[str, ...]) -> None:
         working = self._preparing_offsets.setdefault(tp, set())
         working.add(offset)
         try:
-            await self._prepare_one(tp, offset, request, handler, fmt, consumed_at)
+            await self._prepare_one(tp, offset, request, handler, fmt, consumed_at, ignored)
         finally:
             working.discard(offset)
             if not working and self._preparing_offsets.get(tp) is working:
                 del self._preparing_offsets[tp]
 
     async def _prepare_one(self, tp: TopicPartition, offset: int, request, handler: Handler, fmt: str,
-                           consumed_at: float) -> None:
+                           consumed_at: float, ignored: tuple[str, ...]) -> None:
         try:
             prepared = await handler.prepare(request, self.ctx)
         except RequestError as exc:
             self.completion.complete_error(tp, offset, request.id, request.kind, exc.code, exc.message, fmt,
-                                           consumed_at, request)
+                                           consumed_at, request, ignored=ignored)
             return
         except Exception as exc:
             log.exception("handler prepare failed", request_id=request.id)
             self.completion.complete_error(tp, offset, request.id, request.kind, ErrorCode.internal,
                                            f"internal error while preparing: {type(exc).__name__}", fmt,
-                                           consumed_at, request)
+                                           consumed_at, request, ignored=ignored)
             return
         if tp not in self.partitions.trackers:
             return  # revoked while preparing
         if prepared.result is not None or not prepared.work:
             result = prepared.result or await handler.finish(request, prepared, [], self.ctx)
-            self.completion.complete(tp, offset, request, result, fmt, consumed_at)
+            self.completion.complete(tp, offset, request, result, fmt, consumed_at, ignored=ignored)
             return
-        self.table.admit(InFlight(tp, offset, request, handler, prepared, fmt, consumed_at, [], [], []), prepared)
+        self.table.admit(InFlight(tp, offset, request, handler, prepared, fmt, consumed_at, [], [], [],
+                                  ignored=ignored), prepared)
 
     def _dead_letter(self, tp: TopicPartition, record, reason: ErrorInfo) -> None:
         tracker = self.partitions.trackers.get(tp)

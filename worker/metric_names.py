@@ -74,6 +74,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "infinilm_cached_prompt_tokens_total",
     "infinilm_consumer_lag",
     "infinilm_dlq_records_total",
+    "infinilm_request_fields_ignored_total",
     "infinilm_redis_errors_total",
     "infinilm_redis_up",
     "infinilm_rule_violations_total",

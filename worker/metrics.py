@@ -182,6 +182,12 @@ class WorkerMetrics:
             ["reason"],
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "infinilm_request_fields_ignored_total",
+            "Requests that carried keys no field reads (reported in the result, or rejected), by kind.",
+            ["kind"],
+            registry=r,
+        )
         self.kafka_transactions = Counter(
             "infinilm_kafka_transactions_total",
             "Kafka producer transactions, by outcome.",
@@ -249,6 +255,7 @@ class WorkerMetrics:
             self.prompt_tokens.labels(kind=kind)
             self.generation_tokens.labels(kind=kind)
             self.cached_prompt_tokens.labels(kind=kind)
+            self.ignored_fields.labels(kind=kind)
         for reason in DLQ_REASONS:
             self.dlq_records.labels(reason=reason)
         for reason in PARTITION_STALL_REASONS:
@@ -382,6 +389,9 @@ class WorkerMetrics:
 
     def set_consumer_lag(self, topic: str, lag: int) -> None:
         self.consumer_lag.labels(topic=self._topic(topic)).set(max(0, lag))
+
+    def inc_ignored_fields(self, kind: str) -> None:
+        self.ignored_fields.labels(kind=check_member("kind", kind, REQUEST_KINDS)).inc()
 
     def inc_dlq(self, reason: str) -> None:
         self.dlq_records.labels(reason=check_member("reason", reason, DLQ_REASONS)).inc()

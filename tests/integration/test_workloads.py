@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import msgpack
 import pytest
 
 from schemas import AsrRequest, Delta, RiskItem, RiskRequest, decode_delta
@@ -201,3 +202,16 @@ def test_a_chat_past_its_deadline_mid_generation_reports_its_tokens_and_ends_its
     assert 0 < result.timing.ttft_ms < result.timing.total_ms
     assert [d.index for d in pieces] == list(range(len(pieces)))
     assert (pieces[-1].finished, pieces[-1].finish_reason) == (True, "error")
+
+
+def test_keys_no_field_reads_are_named_in_the_result(worker_setup, kafka_bootstrap):
+    topics, start = worker_setup
+    w = start()
+    w.wait_ready()
+    typo = {"id": "typo", "kind": "chat", "max_token": 4, "messages": [{"role": "user", "content": "hi"}]}
+    risk = {"id": "risk-typo", "kind": "risk", "labels": ["a", "b"], "items": [{"id": "i0", "text": "t", "lable": "a"}]}
+    sends = [(topics.chat, json.dumps(typo).encode(), "json"), (topics.risk, msgpack.packb(risk), "msgpack")]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, ["typo", "risk-typo"], linger=0.5))
+    assert (got["typo"][0].status, got["typo"][0].ignored_fields) == ("ok", ["max_token"])
+    assert (got["risk-typo"][0].status, got["risk-typo"][0].ignored_fields) == ("ok", ["items[0].lable"])
+    assert 'infinilm_request_fields_ignored_total{kind="chat"} 1.0' in w.metrics()

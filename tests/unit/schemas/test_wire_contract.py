@@ -119,6 +119,13 @@ def test_an_asr_error_result_names_its_stream_and_is_keyed_by_it(fmt):
     assert result_key(result) == b"call-42"
 
 
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_ignored_fields_are_written_only_when_the_request_had_some(fmt):
+    named = plain(Result(id="x", kind="chat", ignored_fields=["max_token"]), fmt)
+    assert set(named) == RESULT_KEYS | {"ignored_fields"} and named["ignored_fields"] == ["max_token"]
+    assert "ignored_fields" not in plain(Result(id="x", kind="chat"), fmt)
+
+
 def test_results_are_keyed_by_stream_id_for_asr_and_by_request_id_otherwise():
     assert result_key(OK_RESULTS["asr"]) == b"call-42"
     assert result_key(OK_RESULTS["chat"]) == b"c1"

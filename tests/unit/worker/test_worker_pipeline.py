@@ -10,6 +10,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import msgspec
 from aiokafka import TopicPartition
 from prometheus_client import CollectorRegistry
 
@@ -75,8 +76,8 @@ class FakePartitions:
         raise AssertionError("the partition is set up")
 
 
-def _parts(batcher=None, max_running: int = 64, chat=None, deltas=None):
-    config = ServiceConfig()
+def _parts(batcher=None, max_running: int = 64, chat=None, deltas=None, config=None):
+    config = config or ServiceConfig()
     topics = SimpleNamespace(request_topics={"chat": TOPIC}, results="results", deltas="deltas", dlq="dlq")
     metrics = WorkerMetrics(CollectorRegistry())
     ctx = HandlerContext(tokenizer=None, max_model_len=512, max_num_batched_tokens=512, worker_id="w1",
@@ -359,3 +360,29 @@ async def _a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_r
 
 def test_a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_rounds():
     asyncio.run(_a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_rounds())
+
+
+async def _unknown_fields_are_named_in_the_result_or_rejected():
+    typo = b'{"id": "t1", "kind": "chat", "max_token": 5, "messages": [{"role": "user", "content": "hi", "nmae": 1}]}'
+    intake, _, completion, _, tracker, _ = _parts(chat=OneJob())
+    assert await intake.take(_record(0, typo))
+    await completion.on_engine_event(EngineEvent(outputs=[_done("requests/0/0/0", "ok")]))
+    [record] = tracker.release().records
+    served = decode_result(record.value)
+    assert (served.status, served.text, served.ignored_fields) == ("ok", "ok", ["max_token", "messages[0].nmae"])
+    assert intake.metrics.registry.get_sample_value("infinilm_request_fields_ignored_total", {"kind": "chat"}) == 1
+
+    config = ServiceConfig()
+    config = msgspec.structs.replace(config, worker=msgspec.structs.replace(config.worker, unknown_fields="reject"))
+    intake, table, _, engine_loop, tracker, _ = _parts(chat=OneJob(), config=config)
+    assert await intake.take(_record(0, typo))
+    assert not engine_loop.jobs and len(table) == 0
+    [record] = tracker.release().records
+    rejected = decode_result(record.value)
+    assert (rejected.status, rejected.error.code) == ("error", "invalid_request")
+    assert "`max_token` (did you mean `max_tokens`?), `messages[0].nmae`" in rejected.error.message
+    assert rejected.ignored_fields == ["max_token", "messages[0].nmae"]
+
+
+def test_unknown_fields_are_named_in_the_result_or_rejected():
+    asyncio.run(_unknown_fields_are_named_in_the_result_or_rejected())
