@@ -187,11 +187,15 @@ async def _print_deltas(servers, kwargs, topic, rid, timeout, positioned: asynci
 
     async with TopicReader(servers, topic, **kwargs) as reader:
         positioned.set()
+        shown = 0  # deltas printed so far
         async for rec in reader.records(timeout):
             delta = decode_delta(rec.value)
             if delta.id == rid:
                 if delta.restart:
                     sys.stderr.write("\n[the answer broke a rule; generating it again]\n")
+                elif delta.index == 0 and shown:
+                    sys.stderr.write("\n[the request moved to another worker; its answer starts again]\n")
+                shown += 1
                 sys.stderr.write(delta.text)
                 if delta.finished:
                     sys.stderr.write("\n[stream ended by an error; the result says why]\n"

@@ -95,3 +95,39 @@ def test_consume_timeout_counts_idle_seconds(monkeypatch):
 
     assert asyncio.run(read()) == [f"record at {t}" for t in sorted(arrivals)]
     assert clock[0] == pytest.approx(3.0)  # the last record came at 2.0; one idle second later it stopped
+
+
+def test_produce_stream_prints_what_a_client_should_show(monkeypatch, capsys):
+    """A restart delta, and a second index 0 (the request moved to another worker), each start the text again,
+    visibly; a stream that failed says so; another request's deltas are not shown."""
+    from types import SimpleNamespace
+
+    from cli.client import _print_deltas
+    from schemas import Delta, encode
+
+    deltas = [Delta(id="c1", index=0, text="Bad"), Delta(id="other", index=0, text="NOT MINE"),
+              Delta(id="c1", index=1, text="", restart=True), Delta(id="c1", index=2, text="Go"),
+              Delta(id="c1", index=0, text="Good"), Delta(id="c1", index=1, text="!", finished=True,
+                                                          finish_reason="error"),
+              Delta(id="c1", index=2, text="after the end")]
+
+    class Reader:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        async def records(self, timeout_s: float):
+            for d in deltas:
+                yield SimpleNamespace(value=encode(d, "json"))
+
+    monkeypatch.setattr(client_module, "TopicReader", Reader)
+    asyncio.run(_print_deltas("broker", {}, "deltas", "c1", 5.0, asyncio.Event()))
+    assert capsys.readouterr().err == (
+        "Bad\n[the answer broke a rule; generating it again]\nGo"
+        "\n[the request moved to another worker; its answer starts again]\nGood!"
+        "\n[stream ended by an error; the result says why]\n")
