@@ -218,7 +218,12 @@ class Completion:
         if any(fl.stream):
             task = asyncio.create_task(self._send_delta(fl, fl.delta_tail, finished=True, finish_reason="error"))
             self._delta_tasks.add(task)
-            task.add_done_callback(self._delta_tasks.discard)
+            task.add_done_callback(self._last_delta_sent)
+
+    def _last_delta_sent(self, task: asyncio.Task) -> None:
+        self._delta_tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("last delta of a failed request not sent", error=repr(exc))  # best effort, as every delta
 
     def _publish_result(self, tp: TopicPartition, offset: int, result: Result, fmt: str) -> None:
         tracker = self.trackers.get(tp)
