@@ -143,7 +143,7 @@ class Completion:
         if isinstance(result, Prepared):
             # A second round: back to the engine through the table. Its usage adds to this round's, and a
             # streaming client is told to drop the text so far before the new answer's deltas come.
-            fl.spent = add_usage(fl.spent, _usage(fl.outputs))
+            fl.earlier += fl.outputs
             tail, fl.delta_tail = fl.delta_tail, ""
             self.table.admit(fl, result)
             if streamed:
@@ -152,9 +152,10 @@ class Completion:
                 await self._send_delta(fl, "", restart=True)
             return
         fl.done = True
-        if fl.round > 1:
-            result = msgspec.structs.replace(result, usage=add_usage(fl.spent, result.usage))
-        self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.outputs, ignored=fl.ignored)
+        if fl.earlier:
+            result = msgspec.structs.replace(result, usage=add_usage(_usage(fl.earlier), result.usage))
+        self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.earlier + fl.outputs,
+                      ignored=fl.ignored)
         if streamed:
             await self._send_delta(fl, fl.delta_tail, finished=True, finish_reason=result.finish_reason)
 
@@ -201,20 +202,19 @@ class Completion:
 
     def complete_error(self, tp: TopicPartition, offset: int, request_id: str, kind, code, message: str, fmt: str,
                        consumed_at: float, request=None, progress: list[RequestOutput] | None = None,
-                       spent: Usage | None = None, ignored: tuple[str, ...] = ()) -> None:
-        """An error result; `progress` and `spent`: what a request that failed on its way consumed."""
+                       ignored: tuple[str, ...] = ()) -> None:
+        """An error result; `progress`: the outputs of a request that failed on its way, for what it consumed."""
         # An asr chunk's error carries its stream, so it is keyed, and ordered, with the stream's other results.
-        usage = add_usage(spent or Usage(), _usage(progress or []))
         result = error_result(request_id, kind, code, message, stream_id=getattr(request, "stream_id", None),
-                              seq=getattr(request, "seq", None), usage=usage)
+                              seq=getattr(request, "seq", None), usage=_usage(progress or []))
         self.complete(tp, offset, None, result, fmt, consumed_at, progress=progress, ignored=ignored)
 
     def complete_failure(self, fl: InFlight, code: str, message: str) -> None:
         """The in-flight table's failure sink: a request taken out of it early gets an error result, with the
         tokens it consumed; a streaming client gets a last delta that ends its stream."""
-        progress = [out for out in fl.latest if out is not None]
+        progress = fl.earlier + [out for out in fl.latest if out is not None]
         self.complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at,
-                            fl.request, progress, fl.spent, fl.ignored)
+                            fl.request, progress, fl.ignored)
         if any(fl.stream):
             task = asyncio.create_task(self._send_delta(fl, fl.delta_tail, finished=True, finish_reason="error"))
             self._delta_tasks.add(task)

@@ -25,7 +25,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from engine import RequestOutput
-from schemas import ErrorCode, Usage
+from schemas import ErrorCode
 from worker.batcher import Batch, Batcher, BatchItem
 from worker.engine_loop import EngineJob, EngineLoop
 from worker.handlers import Handler, Prepared
@@ -49,9 +49,10 @@ class InFlight:
     delta_index: int = 0
     round: int = 0  # how many times work was handed to the engine (a handler may ask for a second round)
     done: bool = False
-    # What an error result reports as consumed: each job's latest output this round, and earlier rounds' usage.
+    # What the result reports as consumed and when the first token came: each job's latest output this
+    # round, and the finished outputs of earlier rounds.
     latest: list[RequestOutput | None] = field(default_factory=list)
-    spent: Usage = field(default_factory=Usage)
+    earlier: list[RequestOutput] = field(default_factory=list)
     # A streamed job's last text, held back until the request's outcome says whether it is final.
     delta_tail: str = ""
     ignored: tuple[str, ...] = ()  # the request's keys no field reads, named in its result

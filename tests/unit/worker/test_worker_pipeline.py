@@ -340,17 +340,24 @@ async def _a_repaired_answer_streams_after_a_restart_and_its_usage_counts_both_r
     intake, table, completion, engine_loop, tracker, _ = _parts(chat=StreamsAndRepairs(), deltas=deltas)
     chat = b'{"id": "repaired", "kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
     assert await intake.take(_record(0, chat))
+    first_token_at = time.monotonic()
     await completion.on_engine_event(EngineEvent(outputs=[_step("requests/0/0/0", [1, 2, 3], [7], "bad ", "bad ")]))
     await completion.on_engine_event(EngineEvent(outputs=[
-        _step("requests/0/0/0", [1, 2, 3], [7, 8], "bad one", "one", finished=True, cached=1)]))
+        _step("requests/0/0/0", [1, 2, 3], [7, 8], "bad one", "one", finished=True, cached=1,
+              first_token_at=first_token_at)]))
     assert engine_loop.jobs == ["requests/0/0/0", "requests/0/0/r2/0"] and tracker.release() is None
+    await asyncio.sleep(0.1)
+    repair_token_at = time.monotonic()
     await completion.on_engine_event(EngineEvent(outputs=[_step("requests/0/0/r2/0", [1, 2, 3, 4], [5], "good ", "good ")]))
     await completion.on_engine_event(EngineEvent(outputs=[
-        _step("requests/0/0/r2/0", [1, 2, 3, 4], [5, 6, 9], "good one", "one", finished=True, cached=3)]))
+        _step("requests/0/0/r2/0", [1, 2, 3, 4], [5, 6, 9], "good one", "one", finished=True, cached=3,
+              first_token_at=repair_token_at)]))
     [record] = tracker.release().records
     result = decode_result(record.value)
     assert (result.status, result.text) == ("ok", "good one") and len(table) == 0
     assert result.usage == Usage(prompt_tokens=3 + 4, completion_tokens=2 + 3, cached_tokens=1 + 3)
+    # The first token is the first round's: the one a streaming client saw.
+    assert result.timing.ttft_ms < (repair_token_at - first_token_at) * 1000
     # The first answer's text is voided by a restart delta, then the repaired answer streams to its end.
     # Before, the stream showed the first answer and ended there, while the result held the second.
     assert deltas.seen() == [(0, "bad ", False, None, False), (1, "one", False, None, False),
