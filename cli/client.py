@@ -183,26 +183,26 @@ async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
 
 async def _print_deltas(servers, kwargs, topic, rid, timeout, positioned: asyncio.Event):
     from schemas import decode_delta
-    from worker.client import TopicReader
+    from worker import client
 
-    async with TopicReader(servers, topic, **kwargs) as reader:
+    notes = {"restart": "\n[the answer broke a rule; generating it again]\n",
+             "moved": "\n[the request moved to another worker; its answer starts again]\n"}
+    async with client.TopicReader(servers, topic, **kwargs) as reader:
         positioned.set()
-        shown = 0  # deltas printed so far
+        stream = client.StreamText()
         async for rec in reader.records(timeout):
             delta = decode_delta(rec.value)
-            if delta.id == rid:
-                if delta.restart:
-                    sys.stderr.write("\n[the answer broke a rule; generating it again]\n")
-                elif delta.index == 0 and shown:
-                    sys.stderr.write("\n[the request moved to another worker; its answer starts again]\n")
-                shown += 1
-                sys.stderr.write(delta.text)
-                if delta.finished:
-                    sys.stderr.write("\n[stream ended by an error; the result says why]\n"
-                                     if delta.finish_reason == "error" else "\n")
-                sys.stderr.flush()
-                if delta.finished:
-                    return
+            if delta.id != rid:
+                continue
+            before = len(stream.text)
+            event = stream.add(delta)
+            sys.stderr.write(notes[event] + stream.text if event else stream.text[before:])
+            if stream.finished:
+                sys.stderr.write("\n[stream ended by an error; the result says why]\n"
+                                 if stream.finish_reason == "error" else "\n")
+            sys.stderr.flush()
+            if stream.finished:
+                return
 
 
 async def _consume(cfg, topic, role, from_beginning, limit, timeout):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -159,6 +160,39 @@ async def collect_results(reader: TopicReader, ids: Iterable[str], timeout_s: fl
         if wanted <= set(got) or time.monotonic() > deadline:
             break
     return got
+
+
+@dataclass
+class StreamText:
+    """The text to show for one request's deltas, applied in the order read.
+
+    A `restart` delta (a chat answer broke a rule and is generated again) and a second index 0 (the
+    request moved to another worker, which streams it from the start) void the text before them. A
+    delta whose index was seen already is a duplicate and changes nothing; a jump in index counts the
+    deltas lost on the way (best effort) in `missing`. Once `finished`, `text` equals the result's text
+    unless a delta was missing.
+    """
+
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    missing: int = 0
+    _next: int = 0  # the index expected next
+
+    def add(self, delta: Delta) -> str:
+        """Apply `delta`; returns "restart" or "moved" when it started the text again, "" otherwise."""
+        event = "restart" if delta.restart else "moved" if delta.index == 0 and self._next else ""
+        if event:
+            self.text, self.finished, self.finish_reason = "", False, None
+        elif delta.index < self._next:
+            return ""
+        else:
+            self.missing += delta.index - self._next
+        self._next = delta.index + 1
+        self.text += delta.text
+        if delta.finished:
+            self.finished, self.finish_reason = True, delta.finish_reason
+        return event
 
 
 def decode_any(topic_role: str, value: bytes) -> Result | Delta | object:

@@ -14,7 +14,7 @@ import pytest
 
 from schemas import AsrRequest, Delta, RiskItem, RiskRequest, decode_delta
 from tests.integration.worker_harness import chat, send_and_collect
-from worker.client import RequestProducer, TopicReader, collect_results
+from worker.client import RequestProducer, StreamText, TopicReader, collect_results
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +50,10 @@ def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_se
         assert [d.index for d in streamed] == list(range(len(streamed)))
         assert streamed[-1].finished and streamed[-1].finish_reason == result.finish_reason
         # What a client shows: the text after the last restart.
-        restarts = [i for i, d in enumerate(streamed) if d.restart]
-        shown = streamed[restarts[-1] + 1:] if restarts else streamed
-        assert "".join(d.text for d in shown) == result.text
+        shown = StreamText()
+        for d in streamed:
+            shown.add(d)
+        assert (shown.text, shown.missing, shown.finished) == (result.text, 0, True)
     assert not any(d.restart for d in pieces["s1"])
     # s2's first answer was voided by one restart (the second breaks the rule too, and is reported so).
     assert sum(d.restart for d in pieces["s2"]) == 1 and got["s2"][0].compliance.passed is False

@@ -131,3 +131,18 @@ def test_produce_stream_prints_what_a_client_should_show(monkeypatch, capsys):
         "Bad\n[the answer broke a rule; generating it again]\nGo"
         "\n[the request moved to another worker; its answer starts again]\nGood!"
         "\n[stream ended by an error; the result says why]\n")
+
+
+def test_stream_text_applies_restarts_duplicates_and_gaps():
+    from schemas import Delta
+    from worker.client import StreamText
+
+    stream = StreamText()
+    events = [stream.add(d) for d in (
+        Delta(id="c", index=0, text="Bad"), Delta(id="c", index=1, text=" one"),
+        Delta(id="c", index=1, text=" one"),  # a duplicate: nothing changes
+        Delta(id="c", index=2, restart=True), Delta(id="c", index=3, text="Good"))]
+    assert events == ["", "", "", "restart", ""] and (stream.text, stream.missing) == ("Good", 0)
+    assert stream.add(Delta(id="c", index=0, text="Go")) == "moved" and stream.text == "Go"
+    assert stream.add(Delta(id="c", index=3, text="!", finished=True, finish_reason="stop")) == ""
+    assert (stream.text, stream.missing, stream.finished, stream.finish_reason) == ("Go!", 2, True, "stop")
