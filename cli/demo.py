@@ -2,9 +2,9 @@
 
 Brings up Kafka and Redis, prepares the SmolLM2 demo model, starts a worker in
 this process, sends chat requests (JSON and msgpack, one streamed, one with a
-picture it draws), plus bad
+picture it draws, one with a misspelt key), ASR chunks and a risk batch, plus bad
 input to show it is answered rather than dropped, and prints the committed
-results and a metrics summary.
+results and a metrics summary. Exits 1 when a request got no result.
 """
 
 from __future__ import annotations
@@ -52,8 +52,17 @@ async def _demo(cfg, keep_stack: bool) -> None:
     import msgspec
 
     from engine.model_registry import resolve_model
-    from schemas import AsrRequest, ChatRequest, ImagePart, Message, RiskItem, RiskRequest, TextPart
-    from worker.client import RequestProducer, TopicReader, collect_results, start_group_at_end
+    from schemas import (
+        AsrRequest,
+        ChatRequest,
+        ImagePart,
+        Message,
+        RiskItem,
+        RiskRequest,
+        TextPart,
+        decode_delta,
+    )
+    from worker.client import RequestProducer, StreamText, TopicReader, collect_results, start_group_at_end
     from worker.service import Worker
     from worker.structured_logging import configure_logging
 
@@ -99,13 +108,19 @@ async def _demo(cfg, keep_stack: bool) -> None:
         RiskItem(id="tx2", text="Monthly rent payment to the usual landlord.")])
     image_req = ChatRequest(id=f"demo-{run_id}-image", max_tokens=32, temperature=0.0, messages=[Message(
         role="user", content=[TextPart(text="What is in this picture?"), ImagePart(image=_drawn_picture())])])
+    # A typo'd key (max_token): served, and the result names the key it did not read.
+    typo_id = f"demo-{run_id}-typo"
+    typo = msgspec.json.encode({"id": typo_id, "kind": "chat", "max_token": 8, "temperature": 0.0,
+                                "messages": [{"role": "user", "content": "Say hello."}]})
     bad_id = f"demo-{run_id}-too-long"
     too_long = ChatRequest(id=bad_id, messages=[Message(role="user", content="word " * 9000)], max_tokens=16)
     everything = [*requests, ruled, image_req, *chunks, risk, too_long]
+    ids = [r.id for r in everything] + [typo_id]
     kwargs = {"bootstrap_servers": cfg.kafka.bootstrap_servers}
     started = time.perf_counter()
     async with TopicReader(topic=cfg.topics.results, **kwargs) as results, \
-            TopicReader(topic=cfg.topics.dlq, **kwargs) as dlq:
+            TopicReader(topic=cfg.topics.dlq, **kwargs) as dlq, \
+            TopicReader(topic=cfg.topics.deltas, **kwargs) as deltas:
         async with RequestProducer(**kwargs) as producer:
             for (fmt, _), req in zip(questions, requests, strict=True):
                 await producer.send(cfg.topics.chat, req, fmt)
@@ -115,20 +130,25 @@ async def _demo(cfg, keep_stack: bool) -> None:
                 await producer.send(cfg.topics.asr, chunk, "json")
             await producer.send(cfg.topics.risk, risk, "msgpack")
             await producer.send(cfg.topics.chat, too_long, "json")
+            await producer.send(cfg.topics.chat, typo, "json", key=typo_id)
             await producer.send(cfg.topics.chat, b"\x00\xffnot a request at all", "raw", key="garbage")
         with console.status("waiting for committed results (read_committed)..."):
-            got = await collect_results(results, [r.id for r in everything], timeout_s=600)
+            got = await collect_results(results, ids, timeout_s=600)
             dead = [rec async for rec in dlq.records(5.0)]
+            streamed = StreamText()
+            async for rec in deltas.records(2.0):
+                if (delta := decode_delta(rec.value)).id == requests[0].id:
+                    streamed.add(delta)
     elapsed = time.perf_counter() - started
 
     table = Table(title="committed results", show_lines=True)
     table.add_column("id", overflow="fold")  # whole, to grep the results topic for
     for col in ("status", "text / error", "tokens", "ttft ms", "total ms"):
         table.add_column(col)
-    for req in everything:
-        res = got.get(req.id, [None])[0]
+    for rid in ids:
+        res = got.get(rid, [None])[0]
         if res is None:
-            table.add_row(req.id, "[red]missing[/]", "", "", "", "")
+            table.add_row(rid, "[red]missing[/]", "", "", "", "")
             continue
         body = _describe(res)
         # Model text and the [chunk n] / [so far] labels are data, not rich markup.
@@ -136,11 +156,19 @@ async def _demo(cfg, keep_stack: bool) -> None:
                       f"{res.timing.ttft_ms:.0f}", f"{res.timing.total_ms:.0f}")
     console.print(table)
     console.print(f"dead-letter records for undecodable input: {len(dead)}")
+    first = got.get(requests[0].id, [None])[0]
+    same = first is not None and streamed.finished and streamed.text == first.text
+    console.print(f"{requests[0].id} streamed its answer to {cfg.topics.deltas}: the deltas add up to "
+                  f"{'the' if same else '[red]not the[/]'} result's text")
     if worker.engine.model_config.vision is None:
         console.print("The image request asks a text-only model, so it is refused with invalid_request; set "
                       "model.name to a LLaVA folder (README, Images) to have it answered.")
     _print_metrics(worker)
-    console.print(f"all answered in {elapsed:.1f}s")
+    missing = [rid for rid in ids if rid not in got]
+    if missing:
+        console.print(f"[red]{len(missing)} of {len(ids)} requests got no result in time: {missing}[/]")
+    else:
+        console.print(f"all answered in {elapsed:.1f}s")
     await worker.shutdown()
     if not keep_stack:
         from devstack import StackConfig, stack_down
@@ -148,6 +176,8 @@ async def _demo(cfg, keep_stack: bool) -> None:
         stack_down(StackConfig())
     else:
         console.print("Kafka and Redis are still running: `infinilm stack down` stops them.")
+    if missing:
+        raise typer.Exit(1)
 
 
 def _drawn_picture() -> bytes:
@@ -176,6 +206,8 @@ def _describe(res) -> str:
         verdict = "rules passed" if res.compliance.passed else \
             "rules broken: " + ", ".join(v.rule for v in res.compliance.violations)
         return f"{res.text}\n[{verdict}]"
+    if res.ignored_fields:
+        return f"{res.text}\n[ignored: {', '.join(res.ignored_fields)}]"
     return res.text
 
 
