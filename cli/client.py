@@ -66,10 +66,17 @@ def _as_json(obj) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(help="Produce one request to its topic; with --wait, print its committed result.")
+    @app.command(help="Produce one request to its topic, from options (--text) or written out in full (--file); "
+                      "with --wait, print its committed result.")
     def produce(
         kind: str = typer.Option("chat", help="chat, asr or risk."),
-        text: str = typer.Option(..., "--text", "-t", help="chat: the user message; asr: the chunk; risk: an item (repeat with --item)."),
+        text: str | None = typer.Option(None, "--text", "-t", help="chat: the user message; asr: the chunk; risk: an item (repeat with --item)."),
+        file: Path | None = typer.Option(
+            None, "--file", "-f", help="A request as JSON, every field as the topic takes it (README, Topics; "
+            "- reads stdin); sent as written, so the options for --text do not apply. An `id` is added if it has "
+            "none; keys the worker would not read are refused (see --allow-unknown)."),
+        allow_unknown: bool = typer.Option(False, "--allow-unknown", help="--file: send a request whose keys the "
+                                           "worker would not read (it names them in the result's ignored_fields)."),
         request_id: str | None = typer.Option(None, "--id", help="Request id (default: a new uuid)."),
         max_tokens: int = typer.Option(128, "--max-tokens", help="chat: most tokens to generate."),
         temperature: float = typer.Option(0.0, help="chat: 0 is greedy; higher is more random."),
@@ -100,8 +107,21 @@ def register(app: typer.Typer) -> None:
         if fmt not in CONTENT_TYPES:
             typer.echo(f"--format must be json or msgpack, got {fmt!r}", err=True)
             raise typer.Exit(2)
+        if (text is None) == (file is None):
+            typer.echo("give the request as --text (with the options for it) or as --file, one of the two", err=True)
+            raise typer.Exit(2)
         cfg = _config(config, bootstrap)
         rid = request_id or str(uuid.uuid4())
+        if file is not None:
+            req, raw = _request_from_file(file, request_id, allow_unknown)
+            topic = cfg.topics.request_topics[req.kind]
+            # JSON goes out as written (unknown keys included, when allowed); msgpack from the decoded request.
+            result = _talk(cfg, _produce(cfg, topic, req, fmt, wait, req.kind == "chat" and req.stream, timeout,
+                                         payload=raw if fmt == "json" else None))
+            if wait and result is None:
+                typer.echo(f"no result for {req.id} within {timeout:.0f}s (is a worker running?)", err=True)
+                raise typer.Exit(1)
+            return
         if kind == "chat":
             req = ChatRequest(id=rid, messages=[Message(role="user", content=text)], max_tokens=max_tokens,
                               temperature=temperature, seed=seed, stream=stream)
@@ -146,14 +166,52 @@ def register(app: typer.Typer) -> None:
 DELTA_GRACE_S = 2.0
 
 
-async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
+def _request_from_file(path: Path, request_id: str | None, allow_unknown: bool):
+    """The request in a JSON file (or stdin for -), checked as a worker checks it: (request, JSON bytes)."""
+    from schemas import SchemaError, decode_request, unknown_request_fields
+
+    try:
+        raw = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    except OSError as exc:
+        typer.echo(f"cannot read {path}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        typer.echo(f"not sent: {path} is not JSON: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not isinstance(body, dict):
+        typer.echo(f"not sent: {path} must hold one JSON object (a request), not a {type(body).__name__}", err=True)
+        raise typer.Exit(2)
+    if request_id is not None or "id" not in body:
+        body["id"] = request_id or str(uuid.uuid4())
+        raw = msgspec.json.encode(body)
+    try:
+        req = decode_request(raw, "application/json")
+    except SchemaError as exc:
+        typer.echo(f"not sent: {exc}", err=True)
+        raise typer.Exit(2) from None
+    unknown = unknown_request_fields(raw, "application/json", req)
+    if unknown and not allow_unknown:
+        names = ", ".join(f.describe() for f in unknown)
+        typer.echo(f"not sent: the worker would not read {names}; fix them, or send anyway with --allow-unknown",
+                   err=True)
+        raise typer.Exit(2)
+    return req, raw
+
+
+async def _produce(cfg, topic, req, fmt, wait, stream, timeout, payload: bytes | None = None):
+    """Send `req`, or `payload` in its place (the request's JSON as written); with `wait`, return its result."""
     from worker.client import RequestProducer, TopicReader, collect_results
 
     kwargs = _kwargs(cfg)
     servers = kwargs.pop("bootstrap_servers")
+    # Keyed as RequestProducer keys a request: an asr chunk by its stream, so the stream stays in order.
+    key = getattr(req, "stream_id", None) or req.id
+    sent = req if payload is None else payload
     if not wait:
         async with RequestProducer(servers, **kwargs) as producer:
-            await producer.send(topic, req, fmt)
+            await producer.send(topic, sent, fmt, key=key)
         typer.echo(f"sent {req.id} to {topic}")
         return None
     async with TopicReader(servers, cfg.topics.results, **kwargs) as results:
@@ -168,7 +226,7 @@ async def _produce(cfg, topic, req, fmt, wait, stream, timeout):
             await asyncio.wait({deltas_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
         async with RequestProducer(servers, **kwargs) as producer:
-            await producer.send(topic, req, fmt)
+            await producer.send(topic, sent, fmt, key=key)
         got = await collect_results(results, [req.id], timeout)
         if deltas_task:
             # Deltas and results are separate topics: the last deltas may be read after the result.

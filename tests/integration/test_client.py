@@ -94,3 +94,29 @@ def test_produce_waits_for_the_committed_result_and_consume_prints_it(worker_set
     assert {json.loads(line)["id"]: json.loads(line) for line in printed.stdout.splitlines()} == answers
     missing = runner.invoke(app, ["consume", "-c", config, "--topic", unique_name("missing"), "--timeout", "1"])
     assert missing.exit_code == 1 and "does not exist" in missing.stderr, missing.output
+
+
+def test_produce_sends_a_request_file_as_written_and_reads_one_from_stdin(worker_setup, unique_name, tmp_path):
+    _, start = worker_setup
+    worker = start()
+    worker.wait_ready()
+    config = str(worker.config)
+    rid = unique_name("file")
+    request = tmp_path / "request.json"
+    # What the options cannot say: a system message, rules, and (allowed here) a key the worker does not read.
+    request.write_text(json.dumps({
+        "id": rid, "kind": "chat", "max_tokens": 4, "temperature": 0, "rules": ["forbid: zebra"], "top_n": 3,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]}))
+    result = runner.invoke(app, ["produce", "-c", config, "--file", str(request), "--allow-unknown", "--wait",
+                                 "--timeout", "120"])
+    assert result.exit_code == 0, (result.output, worker.logs()[-3000:])
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (answer["id"], answer["status"], answer["ignored_fields"]) == (rid, "ok", ["top_n"]), answer
+    assert answer["compliance"]["passed"] is True
+    chunk = json.dumps({"kind": "asr", "stream_id": unique_name("call"), "seq": 0, "text": "so um hello there"})
+    result = runner.invoke(app, ["produce", "-c", config, "--file", "-", "--format", "msgpack", "--wait",
+                                 "--timeout", "120"], input=chunk)
+    assert result.exit_code == 0, (result.output, worker.logs()[-3000:])
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (answer["kind"], answer["status"], answer["seq"]) == ("asr", "ok", 0), answer
+    assert "ignored_fields" not in answer  # msgpack goes out from the decoded request

@@ -40,6 +40,34 @@ def test_a_request_a_worker_would_refuse_is_not_sent(args, says):
     assert "Traceback" not in result.output and result.stdout == ""
 
 
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"kind": "chat", "max_token": 5, "messages": [{"role": "user", "content": "hi"}]}',
+     "not sent: the worker would not read `max_token` (did you mean `max_tokens`?); fix them, or send anyway "
+     "with --allow-unknown"),
+    (b'{"kind": "chat", "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}',
+     "not sent: invalid_request: "),
+    (b'{"kind": "chat", "messages": [', "is not JSON"),
+    (b'[{"kind": "chat"}]', "must hold one JSON object (a request), not a list"),
+])
+def test_a_request_file_a_worker_would_refuse_or_misread_is_not_sent(tmp_path, body, says):
+    request = tmp_path / "request.json"
+    request.write_bytes(body)
+    result = runner.invoke(app, ["produce", "--file", str(request), "--bootstrap", f"127.0.0.1:{closed_port()}"])
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr and "Traceback" not in result.output and result.stdout == "", result.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["--text", "hi", "--file", "request.json"]])
+def test_produce_takes_the_request_as_text_or_as_a_file(args):
+    result = runner.invoke(app, ["produce", *args])
+    assert result.exit_code == 2 and "as --text" in result.stderr and "or as --file" in result.stderr, result.output
+
+
+def test_a_request_file_that_cannot_be_read_is_one_line(tmp_path):
+    result = runner.invoke(app, ["produce", "--file", str(tmp_path / "nowhere.json")])
+    assert result.exit_code == 2 and result.stderr.startswith("cannot read "), result.output
+
+
 def test_an_unknown_wire_format_is_one_line_and_exit_code_2():
     result = runner.invoke(app, ["produce", "--text", "hi", "--format", "xml"])
     assert result.exit_code == 2
