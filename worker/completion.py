@@ -139,7 +139,7 @@ class Completion:
             return
         if fl.done:
             return  # answered or dropped while the handler finished (a deadline, a revoked partition)
-        streamed = any(fl.stream)
+        streamed = _streams(fl)
         if isinstance(result, Prepared):
             # A second round: back to the engine through the table. Its usage adds to this round's, and a
             # streaming client is told to drop the text so far before the new answer's deltas come.
@@ -215,7 +215,7 @@ class Completion:
         progress = fl.earlier + [out for out in fl.latest if out is not None]
         self.complete_error(fl.tp, fl.offset, fl.request.id, fl.request.kind, code, message, fl.fmt, fl.consumed_at,
                             fl.request, progress, fl.ignored)
-        if any(fl.stream):
+        if _streams(fl):
             task = asyncio.create_task(self._send_delta(fl, fl.delta_tail, finished=True, finish_reason="error"))
             self._delta_tasks.add(task)
             task.add_done_callback(self._last_delta_sent)
@@ -239,6 +239,11 @@ class Completion:
                            (("content-type", CONTENT_TYPE[fmt]),))
         tracker.complete(offset, [record])
         self._results_ready.set()
+
+
+def _streams(fl: InFlight) -> bool:
+    """Whether `fl` has a stream to end: its work streams, or deltas went out in an earlier round."""
+    return any(fl.stream) or fl.delta_index > 0
 
 
 def _usage(outputs: list[RequestOutput | None]) -> Usage:
