@@ -126,6 +126,10 @@ class ChatRequest(_RequestBase, tag="chat", kw_only=True):
     - `tenant`: who the request is billed and rate-limited as.
     - `mask_policy`: "causal" or None (the same); the engine's other policies
       serve the ASR and risk workloads, and a chat request naming one is refused.
+    - `logprobs`: the result's `logprobs` lists each generated token with the
+      model's log-probability for it; `top_logprobs` (0 to 20, needs `logprobs`)
+      adds that many most likely tokens at each position. Such a request does
+      not speculate (one token a step).
     """
 
     kind: ClassVar[str] = "chat"
@@ -144,6 +148,8 @@ class ChatRequest(_RequestBase, tag="chat", kw_only=True):
     deterministic: bool | None = None
     tenant: str | None = None
     mask_policy: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def stop_list(self) -> list[str]:

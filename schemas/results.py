@@ -11,7 +11,8 @@ The wire contract (what a plain `json.loads` / `msgpack.unpackb` client sees):
 - asr results add `stream_id`, `seq` and `committed_text` (an asr error
   result has `stream_id` and `seq` when the request was readable);
 - risk results add `items`, each with every field of `RiskItemResult`;
-- chat results add `compliance` when the request had `rules`;
+- chat results add `compliance` when the request had `rules`, and `logprobs`
+  (each entry with every field of `TokenLogprob`) when it asked for them;
 - any result adds `ignored_fields` when the request had keys no field reads;
 - every delta and dead letter has all its fields (null where unset).
 tests/unit/schemas/test_wire_contract.py pins these key sets.
@@ -84,6 +85,25 @@ class RiskItemResult(_Record, kw_only=True):
     label: str | None = None
 
 
+class TopLogprob(_Record, kw_only=True):
+    """One of the most likely tokens at a position: its id, its text alone, and its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(_Record, kw_only=True):
+    """A generated token, its log-probability under the model (before temperature and the top-p/k/min-p
+    cuts), and the `top_logprobs` most likely tokens at its position, most likely first. `token` is the
+    token's text decoded alone: a token that holds part of a UTF-8 character shows U+FFFD there."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
 class Result(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """The one final answer to a request (topic `infinilm.results`; key = request id, or the stream id for asr).
 
@@ -112,6 +132,9 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     committed_text: str | None = None
     items: list[RiskItemResult] | None = None
     compliance: Compliance | None = None
+    # chat with `logprobs`: one entry per generated token, in order (usage.completion_tokens of them; the
+    # end-of-sequence token that ended an answer is one, though `text` leaves it out).
+    logprobs: list[TokenLogprob] | None = None
     # The request's keys that no field reads (a typo, a parameter this service lacks), as paths such as
     # "max_token" or "messages[0].nmae"; None when there were none (see schemas.unknown_fields).
     ignored_fields: list[str] | None = None

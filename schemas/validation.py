@@ -31,6 +31,7 @@ UINT64_MAX = (1 << 64) - 1
 
 # OpenAI's upper bound; past it sampling is noise.
 MAX_TEMPERATURE = 2.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and the engine's
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,10 @@ def validate_chat(req: ChatRequest, limits: RequestLimits = DEFAULT_LIMITS) -> N
         check.text(rule, f"rules[{i}]", limits.max_rule_chars, non_empty=True)
     if req.tenant is not None:
         check.text(req.tenant, "tenant", limits.max_name_chars, non_empty=True)
+    check.int_range(req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if req.top_logprobs and not req.logprobs:
+        raise check.fail("needs `logprobs: true` (the alternatives come with each token's own log-probability)",
+                         "top_logprobs")
     if req.mask_policy is not None and req.mask_policy != "causal":
         # The other policies are the ASR and risk handlers' (asr.mask_policy, packed risk segments); a chat
         # model answers causally. Accepting a name and ignoring it would look like it had been applied.

@@ -30,12 +30,14 @@ def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_se
     req = chat("s1", "Count from one to ten in words.", max_tokens=40, stream=True)
     # Any visible character breaks this rule, so the first answer is generated again (and breaks it again).
     repaired = chat("s2", "Name three colours.", max_tokens=12, stream=True, rules=[r"forbid_regex: \S"])
+    scored = chat("s3", "Name a colour.", max_tokens=6, logprobs=True, top_logprobs=2)
 
     async def run():
         async with TopicReader(kafka_bootstrap, topics.deltas) as deltas:
             got = await send_and_collect(kafka_bootstrap, topics, [(topics.chat, req, "json"),
-                                                                   (topics.chat, repaired, "json")],
-                                         ["s1", "s2"], linger=0.5)
+                                                                   (topics.chat, repaired, "json"),
+                                                                   (topics.chat, scored, "msgpack")],
+                                         ["s1", "s2", "s3"], linger=0.5)
             pieces: dict[str, list[Delta]] = {"s1": [], "s2": []}
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not all(p and p[-1].finished for p in pieces.values()):
@@ -57,6 +59,11 @@ def test_streamed_chat_deltas_arrive_in_order_and_add_up_to_the_result(worker_se
     assert not any(d.restart for d in pieces["s1"])
     # s2's first answer was voided by one restart (the second breaks the rule too, and is reported so).
     assert sum(d.restart for d in pieces["s2"]) == 1 and got["s2"][0].compliance.passed is False
+    # Logprobs through the real worker: one entry per generated token, greedy picks the most likely one.
+    entries = got["s3"][0].logprobs
+    assert len(entries) == got["s3"][0].usage.completion_tokens and all(len(e.top) == 2 for e in entries)
+    assert all((e.top[0].token_id, e.top[0].logprob) == (e.token_id, e.logprob) for e in entries)
+    assert got["s1"][0].logprobs is None
 
 
 async def read_topic(bootstrap: str, topic: str, count: int, timeout_s: float = 30) -> list:

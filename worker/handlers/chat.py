@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import RequestError, RequestOutput, SamplingParams
-from schemas import DEFAULT_MAX_TOKENS, ChatRequest, Compliance, Result, Usage, Violation
+from schemas import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    Compliance,
+    Result,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    Violation,
+)
 from worker.handlers import HandlerContext, Prepared, Work
 from worker.handlers.images import image_parts, template_messages
 from worker.rules import STRICT_LINE, RuleError, RuleSet
@@ -29,10 +38,26 @@ def sampling_params_for(req: ChatRequest, *, banned: tuple[str, ...] = (), deter
         min_p=req.min_p,
         seed=req.seed,
         stop=req.stop_list,
+        logprobs=req.top_logprobs if req.logprobs else None,
         banned_phrases=banned,
         deterministic=deterministic,
         speculative=speculative,
     )
+
+
+def token_logprobs(out: RequestOutput, tokenizer) -> list[TokenLogprob]:
+    """The result's `logprobs`: each generated token with its log-probability and the top alternatives."""
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in texts:
+            texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return texts[token_id]
+
+    # One engine entry a step, one token a step: such requests never speculate (engine.speculative).
+    return [TokenLogprob(token_id=tid, token=text(tid), logprob=chosen,
+                         top=[TopLogprob(token_id=alt, token=text(alt), logprob=lp) for alt, lp in top])
+            for tid, (chosen, top) in zip(out.token_ids, out.logprobs or [], strict=False)]
 
 
 def encode_chat(messages: list[dict[str, str]], ctx: HandlerContext) -> list[int]:
@@ -115,4 +140,5 @@ class ChatHandler:
             id=req.id, kind="chat", text=out.text, finish_reason=out.finish_reason, compliance=compliance,
             usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                         cached_tokens=out.num_cached_tokens),
+            logprobs=token_logprobs(out, ctx.tokenizer) if req.logprobs else None,
         )

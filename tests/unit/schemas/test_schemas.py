@@ -460,6 +460,9 @@ def test_huge_unknown_kind_is_not_echoed_in_full():
         (_chat(tenant=""), "tenant"),
         (_chat(mask_policy="m" * 257), "mask_policy"),
         (_chat(mask_policy="prefix_bidirectional"), "mask_policy"),  # an ASR/risk policy: refused, not ignored
+        (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (_chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+        (_chat(top_logprobs=2), "top_logprobs"),  # alternatives without the flag that returns them
         (_asr(seq=-1), "seq"),
         (_asr(seq=2**63), "seq"),
         (_asr(stream_id=""), "stream_id"),

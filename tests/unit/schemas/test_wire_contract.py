@@ -20,6 +20,8 @@ from schemas import (
     Result,
     RiskItemResult,
     Timing,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     Violation,
     decode_delta,
@@ -35,6 +37,7 @@ RESULT_KEYS = {"v", "id", "kind", "status", "text", "finish_reason", "usage", "t
 KIND_KEYS = {
     "chat": set(),
     "chat+rules": {"compliance"},
+    "chat+logprobs": {"logprobs"},
     "asr": {"stream_id", "seq", "committed_text"},
     "risk": {"items"},
 }
@@ -45,6 +48,8 @@ TIMING_KEYS = {"queue_ms", "ttft_ms", "total_ms"}
 COMPLIANCE_KEYS = {"passed", "violations"}
 VIOLATION_KEYS = {"rule", "detail"}
 RISK_ITEM_KEYS = {"id", "scores", "label"}
+LOGPROB_KEYS = {"token_id", "token", "logprob", "top"}
+TOP_LOGPROB_KEYS = {"token_id", "token", "logprob"}
 DELTA_KEYS = {"v", "id", "index", "text", "finished", "finish_reason", "restart"}
 DEAD_LETTER_KEYS = {"v", "topic", "partition", "offset", "payload", "reason", "ts_ms", "key", "headers", "worker"}
 
@@ -65,6 +70,8 @@ def result_keys_ok(wire: dict, kind_key: str) -> None:
         assert all(set(v) == VIOLATION_KEYS for v in wire["compliance"]["violations"])
     for item in wire.get("items") or ():
         assert set(item) == RISK_ITEM_KEYS
+    for entry in wire.get("logprobs") or ():
+        assert set(entry) == LOGPROB_KEYS and all(set(t) == TOP_LOGPROB_KEYS for t in entry["top"])
 
 
 def usage() -> Usage:
@@ -76,6 +83,9 @@ OK_RESULTS = {
     "chat": Result(id="c1", kind="chat", text="Paris.", finish_reason="stop", usage=usage()),
     "chat+rules": Result(id="c2", kind="chat", text="It costs 5.", finish_reason="stop", usage=usage(),
                          compliance=Compliance(passed=False, violations=[Violation(rule="forbid: guaranteed")])),
+    "chat+logprobs": Result(id="c3", kind="chat", text="Hi", finish_reason="stop", usage=usage(), logprobs=[
+        TokenLogprob(token_id=7, token="Hi", logprob=-0.1, top=[TopLogprob(token_id=7, token="Hi", logprob=-0.1)]),
+        TokenLogprob(token_id=2, token="</s>", logprob=-0.5)]),
     "asr": Result(id="a1", kind="asr", text="So the meeting", finish_reason="stop", usage=usage(),
                   stream_id="call-42", seq=0, committed_text="So the meeting"),
     "risk": Result(id="r1", kind="risk", finish_reason="stop", usage=usage(),

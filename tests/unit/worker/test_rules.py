@@ -139,3 +139,31 @@ def test_compliant_answers_pass(smol):
                       temperature=0.0, rules=["forbid: goodbye"])
     result, _ = run_chat(smol, req, ctx)
     assert result.compliance.passed and result.compliance.violations == []
+
+
+def test_chat_logprobs_list_each_generated_token_with_its_alternatives(smol):
+    ctx = handler_ctx(smol)
+    req = ChatRequest(id="lp", messages=[Message(role="user", content="Say hi.")], max_tokens=48, temperature=0.0,
+                      logprobs=True, top_logprobs=3)
+    result, _ = run_chat(smol, req, ctx)
+    entries = result.logprobs
+    assert entries and len(entries) == result.usage.completion_tokens
+    for entry in entries:
+        assert entry.logprob <= 0.0 and len(entry.top) == 3
+        assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+        # Greedy: the chosen token is the most likely one, with the same log-probability.
+        assert (entry.top[0].token_id, entry.top[0].logprob) == (entry.token_id, entry.logprob)
+        assert entry.token == smol.tokenizer.decode([entry.token_id], skip_special_tokens=False)
+    ids = [e.token_id for e in entries]
+    assert smol.tokenizer.decode(ids) == result.text  # the entries are the answer's tokens, in order
+    # Without the flag there are none; with a repair round they describe the answer that was kept.
+    assert run_chat(smol, msgspec_replace(req, logprobs=False, top_logprobs=0), ctx)[0].logprobs is None
+    repaired, rounds = run_chat(smol, msgspec_replace(req, rules=["forbid_regex: \\S"]), ctx)
+    assert rounds == 2 and len(repaired.logprobs) == repaired.usage.completion_tokens
+    assert smol.tokenizer.decode([e.token_id for e in repaired.logprobs]) == repaired.text
+
+
+def msgspec_replace(req, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(req, **changes)
