@@ -178,3 +178,27 @@ def test_smollm2_compact_panels_give_bitwise_the_fp32_panels_logprobs(smollm2_pa
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     assert runs["compact"][1] < 0.25 * runs["fp32"][1]  # 4-bit and 8-bit codes with fp16 scales
     assert runs["freed"][2] < 0.01 * runs["compact"][2]  # only the norms stay in fp32
+
+
+def test_smollm2_generated_token_logprobs_equal_hf_within_tolerance(smollm2_pair):
+    """What a chat result's `logprobs` report: each generated token's log-probability and the top alternatives,
+    against HF's log-softmax over the same sequence in one forward pass."""
+    path, hf = smollm2_pair
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=256)
+    tok = llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(c), add_special_tokens=False) for c in SMOL_PROMPTS[:3]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, logprobs=3))
+    worst = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.logprobs) == len(out.token_ids)
+        ref = torch.log_softmax(hf_logits(hf, prompt + out.token_ids[:-1]), dim=-1)[len(prompt) - 1:]
+        for i, (token, (chosen, top)) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            worst = max(worst, abs(chosen - ref[i, token].item()))
+            for alt, lp in top:
+                worst = max(worst, abs(lp - ref[i, alt].item()))
+            ref_top = ref[i].topk(3)
+            # The alternatives are HF's top 3, barring a near-tie at the edge of the list.
+            near_tie = ref_top.values[1] - ref_top.values[2] < 1e-3
+            assert [t for t, _ in top][:2] == ref_top.indices.tolist()[:2] or near_tie
+    print(f"largest |logprob - HF| {worst:.2e}")
+    assert worst < 1e-3, worst  # 4e-5 on an AVX2 host; kernels of other ISAs sum in other orders
