@@ -19,9 +19,9 @@ import structlog
 from aiokafka import TopicPartition
 
 from engine import RequestError, RequestOutput
-from schemas import Delta, ErrorCode, Result, Timing, Usage, add_usage, encode, error_result, result_key
+from schemas import Delta, ErrorCode, Result, Timing, add_usage, encode, error_result, result_key
 from worker.engine_loop import EngineEvent
-from worker.handlers import HandlerContext, Prepared
+from worker.handlers import HandlerContext, Prepared, usage_of
 from worker.inflight import InFlight, InFlightTable
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
@@ -153,7 +153,7 @@ class Completion:
             return
         fl.done = True
         if fl.earlier:
-            result = msgspec.structs.replace(result, usage=add_usage(_usage(fl.earlier), result.usage))
+            result = msgspec.structs.replace(result, usage=add_usage(usage_of(fl.earlier), result.usage))
         self.complete(fl.tp, fl.offset, fl.request, result, fl.fmt, fl.consumed_at, fl.earlier + fl.outputs,
                       ignored=fl.ignored)
         if streamed:
@@ -206,7 +206,7 @@ class Completion:
         """An error result; `progress`: the outputs of a request that failed on its way, for what it consumed."""
         # An asr chunk's error carries its stream, so it is keyed, and ordered, with the stream's other results.
         result = error_result(request_id, kind, code, message, stream_id=getattr(request, "stream_id", None),
-                              seq=getattr(request, "seq", None), usage=_usage(progress or []))
+                              seq=getattr(request, "seq", None), usage=usage_of(progress or []))
         self.complete(tp, offset, None, result, fmt, consumed_at, progress=progress, ignored=ignored)
 
     def complete_failure(self, fl: InFlight, code: str, message: str) -> None:
@@ -244,14 +244,6 @@ class Completion:
 def _streams(fl: InFlight) -> bool:
     """Whether `fl` has a stream to end: its work streams, or deltas went out in an earlier round."""
     return any(fl.stream) or fl.delta_index > 0
-
-
-def _usage(outputs: list[RequestOutput | None]) -> Usage:
-    """The tokens the engine processed for these outputs (finished or not): prompts, tokens generated, cache hits."""
-    done = [o for o in outputs if o is not None]
-    return Usage(prompt_tokens=sum(len(o.prompt_token_ids) for o in done),
-                 completion_tokens=sum(len(o.token_ids) for o in done),
-                 cached_tokens=sum(o.num_cached_tokens for o in done))
 
 
 def _timing(consumed_at: float, outputs: list[RequestOutput] | None) -> Timing:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from engine import MaskSpec, RequestOutput, SamplingParams
 from engine.attention.metadata import CAUSAL
-from schemas import Result
+from schemas import Result, Usage
 
 
 @dataclass
@@ -24,6 +24,15 @@ class Work:
     stream: bool = False  # publish this job's text deltas
     images: tuple = ()  # engine ImageInputs for the prompt's image placeholders, in order
     image_positions: int = 0  # prompt positions the placeholders add when the engine expands them
+
+
+def usage_of(outputs: list[RequestOutput | None]) -> Usage:
+    """The tokens the engine processed for these outputs, finished or not: prompts, tokens generated
+    (the end-of-sequence token included), prompt tokens served from the prefix cache."""
+    done = [o for o in outputs if o is not None]
+    return Usage(prompt_tokens=sum(len(o.prompt_token_ids) for o in done),
+                 completion_tokens=sum(len(o.token_ids) for o in done),
+                 cached_tokens=sum(o.num_cached_tokens for o in done))
 
 
 @dataclass

@@ -22,8 +22,8 @@ import re
 import time
 
 from engine import MaskSpec, RequestError, RequestOutput, SamplingParams
-from schemas import AsrRequest, Result, SchemaError, Usage, decode_result, encode
-from worker.handlers import HandlerContext, Prepared, Work
+from schemas import AsrRequest, Result, SchemaError, decode_result, encode
+from worker.handlers import HandlerContext, Prepared, Work, usage_of
 from worker.state import StateUnavailable
 
 INSTRUCTION = "Rewrite this speech transcript with correct capitalization and punctuation. Keep every word."
@@ -118,8 +118,7 @@ class AsrHandler:
         committed = f"{prepared.state} {corrected}".strip()
         result = Result(id=req.id, kind="asr", text=corrected, finish_reason=out.finish_reason,
                         stream_id=req.stream_id, seq=req.seq, committed_text=committed,
-                        usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                                    cached_tokens=out.num_cached_tokens))
+                        usage=usage_of([out]))
         try:
             applied = await ctx.redis.commit_chunk(req.stream_id, req.seq, committed, encode(result, "msgpack"),
                                                    final=req.final)

@@ -20,10 +20,9 @@ from schemas import (
     Result,
     TokenLogprob,
     TopLogprob,
-    Usage,
     Violation,
 )
-from worker.handlers import HandlerContext, Prepared, Work
+from worker.handlers import HandlerContext, Prepared, Work, usage_of
 from worker.handlers.images import image_parts, template_messages
 from worker.rules import STRICT_LINE, RuleError, RuleSet
 
@@ -138,7 +137,6 @@ class ChatHandler:
                                     violations=[Violation(rule=v.rule, detail=v.detail) for v in violations])
         return Result(
             id=req.id, kind="chat", text=out.text, finish_reason=out.finish_reason, compliance=compliance,
-            usage=Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                        cached_tokens=out.num_cached_tokens),
+            usage=usage_of([out]),
             logprobs=token_logprobs(out, ctx.tokenizer) if req.logprobs else None,
         )
