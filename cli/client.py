@@ -69,18 +69,24 @@ def register(app: typer.Typer) -> None:
     @app.command(help="Produce one request to its topic, from options (--text) or written out in full (--file); "
                       "with --wait, print its committed result.")
     def produce(
-        kind: str = typer.Option("chat", help="chat, asr or risk."),
+        kind: str | None = typer.Option(None, help="chat, asr or risk (default chat; with --file, the file's)."),
         text: str | None = typer.Option(None, "--text", "-t", help="chat: the user message; asr: the chunk; risk: an item (repeat with --item)."),
         file: Path | None = typer.Option(
             None, "--file", "-f", help="A request as JSON, every field as the topic takes it (README, Topics; "
-            "- reads stdin); sent as written, so the options for --text do not apply. An `id` is added if it has "
-            "none; keys the worker would not read are refused (see --allow-unknown)."),
+            "- reads stdin), sent as written: the options for --text are refused beside it, and a chat request with "
+            "\"stream\": true prints its deltas. --id replaces its `id`, and one is added if it has none; keys "
+            "the worker would not read are refused (see --allow-unknown)."),
         allow_unknown: bool = typer.Option(False, "--allow-unknown", help="--file: send a request whose keys the "
                                            "worker would not read (it names them in the result's ignored_fields)."),
         request_id: str | None = typer.Option(None, "--id", help="Request id (default: a new uuid)."),
         max_tokens: int = typer.Option(128, "--max-tokens", help="chat: most tokens to generate."),
         temperature: float = typer.Option(0.0, help="chat: 0 is greedy; higher is more random."),
         seed: int | None = typer.Option(None, help="chat: seed for reproducible sampling."),
+        system: str | None = typer.Option(None, "--system", help="chat: a system message, sent before --text."),
+        logprobs: bool = typer.Option(False, "--logprobs", help="chat: the result lists each generated token "
+                                      "with its log-probability."),
+        top_logprobs: int = typer.Option(0, "--top-logprobs", help="chat: also the N likeliest tokens at each "
+                                         "position (0-20; implies --logprobs)."),
         stream: bool = typer.Option(False, "--stream", help="chat: also print token deltas as they arrive."),
         stream_id: str | None = typer.Option(None, "--stream-id", help="asr: the stream this chunk belongs to."),
         seq: int = typer.Option(0, help="asr: chunk sequence number."),
@@ -110,10 +116,33 @@ def register(app: typer.Typer) -> None:
         if (text is None) == (file is None):
             typer.echo("give the request as --text (with the options for it) or as --file, one of the two", err=True)
             raise typer.Exit(2)
+        if kind not in (None, "chat", "asr", "risk"):
+            typer.echo(f"unknown kind {kind!r}: use chat, asr or risk", err=True)
+            raise typer.Exit(2)
+        if file is None and kind is None:
+            kind = "chat"
+        given = {"chat": {"--max-tokens": max_tokens != 128, "--temperature": temperature != 0.0,
+                          "--seed": seed is not None, "--system": system is not None, "--logprobs": logprobs,
+                          "--top-logprobs": top_logprobs != 0, "--stream": stream},
+                 "asr": {"--stream-id": stream_id is not None, "--seq": seq != 0, "--final": final},
+                 "risk": {"--item": bool(item), "--label": bool(label)}}
+        # An option the request would not carry is an error, not a silent no-op.
+        for owner, flags in given.items():
+            for flag in (f for f, set_ in flags.items() if set_):
+                if file is not None:
+                    typer.echo(f"{flag} does not apply to --file, which is sent as written: put it in the file",
+                               err=True)
+                    raise typer.Exit(2)
+                if owner != kind:
+                    typer.echo(f"{flag} applies to {owner} requests, not to --kind {kind}", err=True)
+                    raise typer.Exit(2)
         cfg = _config(config, bootstrap)
         rid = request_id or str(uuid.uuid4())
         if file is not None:
             req, raw = _request_from_file(file, request_id, allow_unknown)
+            if kind is not None and kind != req.kind:
+                typer.echo(f"not sent: --kind {kind}, but the file holds a {req.kind} request", err=True)
+                raise typer.Exit(2)
             topic = cfg.topics.request_topics[req.kind]
             # JSON goes out as written (unknown keys included, when allowed); msgpack from the decoded request.
             result = _talk(cfg, _produce(cfg, topic, req, fmt, wait, req.kind == "chat" and req.stream, timeout,
@@ -123,17 +152,16 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)
             return
         if kind == "chat":
-            req = ChatRequest(id=rid, messages=[Message(role="user", content=text)], max_tokens=max_tokens,
-                              temperature=temperature, seed=seed, stream=stream)
+            messages = [Message(role="system", content=system)] if system is not None else []
+            req = ChatRequest(id=rid, messages=[*messages, Message(role="user", content=text)],
+                              max_tokens=max_tokens, temperature=temperature, seed=seed, stream=stream,
+                              logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
         elif kind == "asr":
             req = AsrRequest(id=rid, stream_id=stream_id or rid, seq=seq, text=text, final=final)
-        elif kind == "risk":
+        else:
             texts = [text, *item]
             req = RiskRequest(id=rid, items=[RiskItem(id=str(i), text=t) for i, t in enumerate(texts)],
                               labels=list(label))  # none: the worker's risk.default_labels
-        else:
-            typer.echo(f"unknown kind {kind!r}: use chat, asr or risk", err=True)
-            raise typer.Exit(2)
         try:
             validate_request(req)  # what a worker would answer with invalid_request, said before sending
         except SchemaError as exc:
@@ -152,14 +180,19 @@ def register(app: typer.Typer) -> None:
                                             help="Start at the oldest record, not at new ones."),
         limit: int | None = typer.Option(None, "--max", help="Stop after this many records."),
         timeout: float | None = typer.Option(None, help="Stop after this many idle seconds (default: run until Ctrl-C)."),
+        ids: list[str] = typer.Option([], "--id", help="results or deltas: only these requests' records "
+                                      "(repeatable); stops once each has its result, or its last delta."),
         config: Path | None = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
         bootstrap: str | None = typer.Option(None, "--bootstrap", help="Override kafka.bootstrap_servers."),
     ) -> None:
-        cfg = _config(config, bootstrap)
         role = topic if topic in ("results", "deltas", "dlq") else None
+        if ids and role not in ("results", "deltas"):
+            typer.echo(f"--id picks records of the results or deltas topic, not of {topic}", err=True)
+            raise typer.Exit(2)
+        cfg = _config(config, bootstrap)
         name = getattr(cfg.topics, topic) if role else topic
         with contextlib.suppress(KeyboardInterrupt):
-            _talk(cfg, _consume(cfg, name, role, from_beginning, limit, timeout))
+            _talk(cfg, _consume(cfg, name, role, from_beginning, limit, timeout, set(ids)))
 
 
 # How long `produce --stream` goes on reading deltas after the result came (deltas are best effort).
@@ -263,7 +296,9 @@ async def _print_deltas(servers, kwargs, topic, rid, timeout, positioned: asynci
                 return
 
 
-async def _consume(cfg, topic, role, from_beginning, limit, timeout):
+async def _consume(cfg, topic, role, from_beginning, limit, timeout, ids: set[str] = frozenset()):
+    """Print the topic's records; with `ids` (results or deltas only), just those requests' records, until
+    each has its result or its last delta."""
     from schemas import SchemaError, decode_dead_letter, decode_delta, decode_result
     from worker.client import TopicReader
 
@@ -271,13 +306,22 @@ async def _consume(cfg, topic, role, from_beginning, limit, timeout):
     servers = kwargs.pop("bootstrap_servers")
     decoder = {"results": decode_result, "deltas": decode_delta, "dlq": decode_dead_letter}.get(role)
     count = 0
+    open_ids = set(ids)
     async with TopicReader(servers, topic, from_beginning=from_beginning, **kwargs) as reader:
         async for rec in reader.records(timeout):
             try:
-                line = _as_json(decoder(rec.value)) if decoder else rec.value.decode("utf-8", "replace")
+                record = decoder(rec.value) if decoder else None
+                line = _as_json(record) if decoder else rec.value.decode("utf-8", "replace")
             except SchemaError as exc:
+                if ids:
+                    continue  # not known to be one of them
                 line = json.dumps({"undecodable": str(exc), "offset": rec.offset})
+            if ids:
+                if record.id not in ids:
+                    continue
+                if role == "results" or record.finished:
+                    open_ids.discard(record.id)
             typer.echo(line)
             count += 1
-            if limit is not None and count >= limit:
+            if (limit is not None and count >= limit) or (ids and not open_ids):
                 return

@@ -92,6 +92,17 @@ def test_produce_waits_for_the_committed_result_and_consume_prints_it(worker_set
     printed = runner.invoke(app, ["consume", "-c", config, "--from-beginning", "--max", "2", "--timeout", "30"])
     assert printed.exit_code == 0, printed.output
     assert {json.loads(line)["id"]: json.loads(line) for line in printed.stdout.splitlines()} == answers
+    rid = unique_name("logprobs")
+    result = runner.invoke(app, ["produce", "-c", config, "--text", "Say hi.", "--system", "Answer in one word.",
+                                 "--max-tokens", "3", "--top-logprobs", "2", "--id", rid, "--wait", "--timeout", "120"])
+    assert result.exit_code == 0, (result.output, worker.logs()[-3000:])
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer["status"] == "ok" and len(answer["logprobs"]) == answer["usage"]["completion_tokens"], answer
+    assert all(len(entry["top"]) == 2 and entry["logprob"] <= 0 for entry in answer["logprobs"]), answer
+    # One request's result picked out of the topic, read from its start.
+    printed = runner.invoke(app, ["consume", "-c", config, "--from-beginning", "--id", rid, "--timeout", "30"])
+    assert printed.exit_code == 0, printed.output
+    assert [json.loads(line) for line in printed.stdout.splitlines()] == [answer]
     missing = runner.invoke(app, ["consume", "-c", config, "--topic", unique_name("missing"), "--timeout", "1"])
     assert missing.exit_code == 1 and "does not exist" in missing.stderr, missing.output
 

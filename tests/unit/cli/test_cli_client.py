@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import socket
 import warnings
 
@@ -174,3 +175,104 @@ def test_stream_text_applies_restarts_duplicates_and_gaps():
     assert stream.add(Delta(id="c", index=0, text="Go")) == "moved" and stream.text == "Go"
     assert stream.add(Delta(id="c", index=3, text="!", finished=True, finish_reason="stop")) == ""
     assert (stream.text, stream.missing, stream.finished, stream.finish_reason) == ("Go!", 2, True, "stop")
+
+
+CHAT_FILE = b'{"kind": "chat", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--text", "hi", "--kind", "asr", "--system", "Be brief."], "--system applies to chat requests, not to --kind asr"),
+    (["--text", "hi", "--kind", "risk", "--top-logprobs", "2"], "--top-logprobs applies to chat requests, not to --kind risk"),
+    (["--text", "hi", "--item", "more"], "--item applies to risk requests, not to --kind chat"),
+    (["--text", "hi", "--kind", "chat", "--final"], "--final applies to asr requests, not to --kind chat"),
+    (["--file", "FILE", "--seed", "3"], "--seed does not apply to --file, which is sent as written: put it in the file"),
+    (["--file", "FILE", "--stream"], "--stream does not apply to --file"),
+    (["--file", "FILE", "--kind", "asr"], "not sent: --kind asr, but the file holds a chat request"),
+    (["--text", "hi", "--kind", "summary"], "unknown kind 'summary': use chat, asr or risk"),
+])
+def test_an_option_the_request_would_not_carry_is_refused_not_dropped(tmp_path, args, says):
+    request = tmp_path / "request.json"
+    request.write_bytes(CHAT_FILE)
+    args = [str(request) if a == "FILE" else a for a in args]
+    result = runner.invoke(app, ["produce", *args, "--bootstrap", f"127.0.0.1:{closed_port()}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith(says) and result.stdout == "", result.stderr
+
+
+def _sent_request(monkeypatch, args: list[str]):
+    """The request `produce` would send for these arguments (the broker part replaced by a recorder)."""
+    from cli import client as cli_client
+
+    sent = []
+
+    async def produce(cfg, topic, req, *rest, **kwargs):
+        sent.append((topic, req))
+
+    monkeypatch.setattr(cli_client, "_produce", produce)
+    monkeypatch.setattr(cli_client, "_talk", lambda cfg, work: asyncio.run(work))
+    result = runner.invoke(app, ["produce", *args])
+    assert result.exit_code == 0 and len(sent) == 1, result.output
+    return sent[0]
+
+
+def test_produce_sends_a_system_message_and_asks_for_logprobs(monkeypatch):
+    from schemas import Message
+
+    topic, req = _sent_request(monkeypatch, ["--text", "Say hi.", "--system", "Be brief.", "--top-logprobs", "3"])
+    assert topic.endswith(".chat") and req.messages == [Message(role="system", content="Be brief."),
+                                                        Message(role="user", content="Say hi.")]
+    assert (req.logprobs, req.top_logprobs) == (True, 3)  # --top-logprobs implies --logprobs, as the field needs
+    _, req = _sent_request(monkeypatch, ["--text", "Say hi.", "--logprobs"])
+    assert (req.logprobs, req.top_logprobs, len(req.messages)) == (True, 0, 1)
+    _, req = _sent_request(monkeypatch, ["--text", "Say hi."])
+    assert (req.logprobs, req.top_logprobs, req.messages[0].role) == (False, 0, "user")
+
+
+def test_consume_id_prints_only_those_requests_and_stops_when_each_has_ended(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from cli.client import _config, _consume
+    from schemas import Delta, Result, encode
+
+    consumed = []
+
+    def reader_of(records):
+        class Reader:
+            def __init__(self, *args, **kwargs) -> None:
+                pass
+
+            async def __aenter__(self):
+                return self
+
+            async def __aexit__(self, *exc) -> None:
+                pass
+
+            async def records(self, timeout_s: float):
+                for value in records:
+                    consumed.append(value)
+                    yield SimpleNamespace(value=value, offset=len(consumed))
+
+        return Reader
+
+    results = [encode(Result(id=i, kind="chat", text=i), "json") for i in ("a", "other", "b", "after")]
+    results.insert(1, b"not a result")
+    monkeypatch.setattr(client_module, "TopicReader", reader_of(results))
+    cfg = _config(None, None)
+    asyncio.run(_consume(cfg, "results", "results", True, None, 1.0, {"a", "b"}))
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["id"], r["text"]) for r in printed] == [("a", "a"), ("b", "b")]
+    assert len(consumed) == 4  # it stopped at b's result, not at the reader's timeout
+
+    consumed.clear()
+    deltas = [Delta(id="a", index=0, text="x"), Delta(id="b", index=0, text="y"),
+              Delta(id="a", index=1, text="z", finished=True, finish_reason="stop"), Delta(id="a", index=2, text="!")]
+    monkeypatch.setattr(client_module, "TopicReader", reader_of([encode(d, "json") for d in deltas]))
+    asyncio.run(_consume(cfg, "deltas", "deltas", True, None, 1.0, {"a"}))
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(d["id"], d["index"]) for d in printed] == [("a", 0), ("a", 1)] and len(consumed) == 3
+
+
+def test_consume_id_is_for_results_and_deltas():
+    result = runner.invoke(app, ["consume", "--topic", "dlq", "--id", "x", "--bootstrap", f"127.0.0.1:{closed_port()}"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "--id picks records of the results or deltas topic, not of dlq"
