@@ -33,6 +33,9 @@ class ErrorCode(StrEnum):
     internal = "internal"
     # An ASR chunk arrived with a `seq` that skips ahead of the stream state.
     sequence_gap = "sequence_gap"
+    # The answer does not fit one record of the results topic (kafka.max_message_bytes), even with its
+    # logprobs or transcript cut (see `Result.truncated`); a smaller request fits.
+    result_too_large = "result_too_large"
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,7 +13,9 @@ The wire contract (what a plain `json.loads` / `msgpack.unpackb` client sees):
 - risk results add `items`, each with every field of `RiskItemResult`;
 - chat results add `compliance` when the request had `rules`, and `logprobs`
   (each entry with every field of `TokenLogprob`) when it asked for them;
-- any result adds `ignored_fields` when the request had keys no field reads;
+- any result adds `ignored_fields` when the request had keys no field reads, and `truncated` when
+  fields were cut to fit one Kafka record: then chat's `logprobs` holds fewer entries than tokens, or an
+  asr result leaves `committed_text` out;
 - every delta and dead letter has all its fields (null where unset).
 tests/unit/schemas/test_wire_contract.py pins these key sets.
 """
@@ -138,6 +140,9 @@ class Result(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     # The request's keys that no field reads (a typo, a parameter this service lacks), as paths such as
     # "max_token" or "messages[0].nmae"; None when there were none (see schemas.unknown_fields).
     ignored_fields: list[str] | None = None
+    # Fields cut so that the result fits one Kafka record (kafka.max_message_bytes), None when nothing was:
+    # "logprobs" keeps its first entries; "committed_text" (asr) is left out, the chunks' texts make it up.
+    truncated: list[str] | None = None
 
 
 class Delta(msgspec.Struct, frozen=True, kw_only=True):

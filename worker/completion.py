@@ -26,6 +26,7 @@ from worker.inflight import InFlight, InFlightTable
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord, PartitionTracker
 from worker.publisher import DeltaPublisher
+from worker.record_size import DEFAULT_MAX_RECORD_BYTES, fit_result
 
 log = structlog.get_logger("infinilm.worker")
 CONTENT_TYPE = {"json": b"application/json", "msgpack": b"application/msgpack"}
@@ -35,10 +36,12 @@ class Completion:
     def __init__(self, *, table: InFlightTable, trackers: dict[TopicPartition, PartitionTracker],
                  deltas: DeltaPublisher, ctx: HandlerContext, metrics: WorkerMetrics, topics,
                  log_prompts: bool, redis, results_ready: asyncio.Event,
-                 on_progress: Callable[[], None], speculative: bool = False) -> None:
+                 on_progress: Callable[[], None], speculative: bool = False,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         """`trackers`: the partitions' trackers, owned by partitions.Partitions; `results_ready`: the
         flusher's signal that a tracker got a finished result; `on_progress`: flow control, called
-        after each engine event; `speculative`: the engine drafts, so its metrics are kept."""
+        after each engine event; `speculative`: the engine drafts, so its metrics are kept;
+        `max_record_bytes`: the largest record the producers take (kafka.max_message_bytes)."""
         self.table = table
         self.trackers = trackers
         self.deltas = deltas
@@ -52,6 +55,7 @@ class Completion:
         self._results_ready = results_ready
         self._on_progress = on_progress
         self._speculative = speculative
+        self._max_record_bytes = max_record_bytes
         self._finishing: set[tuple[TopicPartition, int]] = set()  # requests whose handler is finishing them
         self._delta_tasks: set[asyncio.Task] = set()  # last deltas of failed requests, sent from a sync path
 
@@ -180,9 +184,13 @@ class Completion:
         timing = _timing(consumed_at, outputs or progress)
         result = msgspec.structs.replace(result, timing=timing, worker=self.ctx.worker_id, model=self.ctx.model_name,
                                          ignored_fields=list(ignored) or None)
-        self._publish_result(tp, offset, result, fmt)
+        fitted, value = fit_result(result, fmt, self._max_record_bytes)
         # Metric labels stay bounded: an unreadable kind counts under its topic's kind.
         kind = result.kind if result.kind in self._kind_topics else self._topic_kinds.get(tp.topic, "chat")
+        if fitted is not result:
+            self._note_cut(result, fitted, kind, len(value))
+            result = fitted
+        self._publish_result(tp, offset, result, value, fmt)
         status = "ok" if result.status == "ok" else result.error.code
         tokens = result.usage
         e2e = timing.total_ms / 1000
@@ -225,7 +233,18 @@ class Completion:
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.warning("last delta of a failed request not sent", error=repr(exc))  # best effort, as every delta
 
-    def _publish_result(self, tp: TopicPartition, offset: int, result: Result, fmt: str) -> None:
+    def _note_cut(self, whole: Result, fitted: Result, kind: str, size: int) -> None:
+        if fitted.status == "error":
+            log.warning("result too large for one record; answered result_too_large", request_id=whole.id,
+                        kind=kind, max_record_bytes=self._max_record_bytes)
+            return
+        for field in fitted.truncated[len(whole.truncated or ()):]:
+            self.metrics.inc_result_truncated(kind, field)
+        log.warning("result cut to fit one record", request_id=whole.id, kind=kind, cut=fitted.truncated,
+                    kept_logprobs=len(fitted.logprobs) if fitted.logprobs is not None else None, bytes=size,
+                    max_record_bytes=self._max_record_bytes)
+
+    def _publish_result(self, tp: TopicPartition, offset: int, result: Result, value: bytes, fmt: str) -> None:
         tracker = self.trackers.get(tp)
         if tracker is None:
             return  # partition revoked: the new owner redoes it
@@ -235,7 +254,7 @@ class Completion:
             log.warning("result for an offset its partition does not wait for; dropped", partition=str(tp),
                         offset=offset, request_id=result.id)
             return
-        record = OutRecord(self.topics.results, result_key(result), encode(result, fmt),
+        record = OutRecord(self.topics.results, result_key(result), value,
                            (("content-type", CONTENT_TYPE[fmt]),))
         tracker.complete(offset, [record])
         self._results_ready.set()

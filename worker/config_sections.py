@@ -78,6 +78,9 @@ class KafkaConfig(Settings):
         require(self.heartbeat_interval_ms * 3 < self.session_timeout_ms, "heartbeat_interval_ms",
                  f"must be below session_timeout_ms / 3 ({self.session_timeout_ms / 3:.0f}), "
                  f"got {self.heartbeat_interval_ms}")
+        # Room for an error result or a dead letter's envelope (worker.record_size).
+        require(self.max_message_bytes >= 16 << 10, "max_message_bytes",
+                f"must be at least 16KiB, got {self.max_message_bytes}")
         require(self.flush_interval_ms < self.transaction_timeout_ms, "flush_interval_ms",
                  f"must be below transaction_timeout_ms ({self.transaction_timeout_ms}), "
                  f"got {self.flush_interval_ms}")

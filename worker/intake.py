@@ -35,7 +35,7 @@ from worker.inflight import InFlight, InFlightTable
 from worker.metrics import WorkerMetrics
 from worker.offsets import OutRecord
 from worker.partitions import Partitions
-from worker.publisher import fit_dead_letter
+from worker.record_size import fit_dead_letter
 
 log = structlog.get_logger("infinilm.worker")
 
@@ -176,7 +176,8 @@ class Intake:
         if tracker is None:
             return
         payload, key, headers, reason = fit_dead_letter(
-            record.value or b"", record.key, [(k, bytes(v or b"")) for k, v in (record.headers or ())], reason)
+            record.value or b"", record.key, [(k, bytes(v or b"")) for k, v in (record.headers or ())], reason,
+            self._max_message_bytes)
         letter = DeadLetter(topic=record.topic, partition=record.partition, offset=record.offset,
                             payload=payload, reason=reason, ts_ms=int(time.time() * 1000), key=key, headers=headers,
                             worker=self.ctx.worker_id)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
     IllegalSaslStateError,
@@ -42,8 +44,10 @@ def client_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
 
 
 def producer_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
-    """client_kwargs plus the producers' own settings (retry_backoff_ms)."""
-    return {**client_kwargs(kafka_cfg, client_id), "retry_backoff_ms": kafka_cfg.producer_retry_backoff_ms}
+    """client_kwargs plus the producers' own settings: retry_backoff_ms, and max_message_bytes as the
+    largest record (worker.record_size cuts every output to fit it)."""
+    return {**client_kwargs(kafka_cfg, client_id), "retry_backoff_ms": kafka_cfg.producer_retry_backoff_ms,
+            "max_request_size": kafka_cfg.max_message_bytes}
 
 
 def consumer_kwargs(kafka_cfg, client_id: str | None = None) -> dict:
@@ -148,3 +152,24 @@ def _reason(exc: BaseException) -> str:
 def _scrub(text: str, secret: str | None) -> str:
     # The broker's messages carry no password today; this keeps it so if one ever echoes it.
     return text.replace(secret, "***") if secret else text
+
+
+async def topic_record_limits(kafka_cfg, topics, client_id: str = "infinilm-check") -> tuple[dict[str, int], list[str]]:
+    """Each topic's max.message.bytes as the broker describes it, and the topics it would not describe
+    (missing, or not authorized: DescribeConfigs is a permission of its own)."""
+    admin = AIOKafkaAdminClient(**client_kwargs(kafka_cfg, client_id))
+    try:
+        async with asyncio.timeout(kafka_cfg.request_timeout_ms / 1000):
+            await admin.start()
+            responses = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, topic, configs={"max.message.bytes": None})
+                 for topic in topics])
+    finally:
+        await admin.close()
+    limits: dict[str, int] = {}
+    for response in responses:
+        for error_code, _message, _type, name, entries in response.resources:
+            for key, value, *_ in entries if not error_code else ():
+                if key == "max.message.bytes":
+                    limits[name] = int(value)
+    return limits, [t for t in topics if t not in limits]

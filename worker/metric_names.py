@@ -18,6 +18,9 @@ REQUEST_STATUSES: tuple[str, ...] = ("ok", *(code.value for code in ErrorCode))
 # A dead letter's reason is an ErrorInfo too, so its code labels the DLQ counter.
 DLQ_REASONS: tuple[str, ...] = tuple(code.value for code in ErrorCode)
 
+# The result fields worker.record_size may cut so that a result fits one Kafka record.
+TRUNCATED_FIELDS: tuple[str, ...] = ("logprobs", "committed_text")
+
 KAFKA_TRANSACTION_OUTCOMES: tuple[str, ...] = ("committed", "aborted", "fenced", "timed_out")
 
 # Why the watchdog set a partition up again (worker.partitions.Partitions.check_progress): records taken
@@ -75,6 +78,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "infinilm_consumer_lag",
     "infinilm_dlq_records_total",
     "infinilm_request_fields_ignored_total",
+    "infinilm_results_truncated_total",
     "infinilm_redis_errors_total",
     "infinilm_redis_up",
     "infinilm_rule_violations_total",

@@ -36,6 +36,7 @@ from worker.metric_names import (
     SPEC_TOKENS_PER_STEP_BUCKETS,
     STEP_BATCH_SIZE_BUCKETS,
     TPOT_BUCKETS,
+    TRUNCATED_FIELDS,
     TTFT_BUCKETS,
     OpenLabel,
     check_member,
@@ -188,6 +189,13 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
+        self.results_truncated = Counter(
+            "infinilm_results_truncated_total",
+            "Results cut to fit one Kafka record (kafka.max_message_bytes), by kind and the field cut; "
+            "one that could not be cut enough counts as status result_too_large in infinilm_requests_total.",
+            ["kind", "field"],
+            registry=r,
+        )
         self.kafka_transactions = Counter(
             "infinilm_kafka_transactions_total",
             "Kafka producer transactions, by outcome.",
@@ -256,6 +264,8 @@ class WorkerMetrics:
             self.generation_tokens.labels(kind=kind)
             self.cached_prompt_tokens.labels(kind=kind)
             self.ignored_fields.labels(kind=kind)
+        for kind, field in (("chat", "logprobs"), ("asr", "committed_text")):
+            self.results_truncated.labels(kind=kind, field=field)
         for reason in DLQ_REASONS:
             self.dlq_records.labels(reason=reason)
         for reason in PARTITION_STALL_REASONS:
@@ -392,6 +402,10 @@ class WorkerMetrics:
 
     def inc_ignored_fields(self, kind: str) -> None:
         self.ignored_fields.labels(kind=check_member("kind", kind, REQUEST_KINDS)).inc()
+
+    def inc_result_truncated(self, kind: str, field: str) -> None:
+        self.results_truncated.labels(kind=check_member("kind", kind, REQUEST_KINDS),
+                                      field=check_member("field", field, TRUNCATED_FIELDS)).inc()
 
     def inc_dlq(self, reason: str) -> None:
         self.dlq_records.labels(reason=check_member("reason", reason, DLQ_REASONS)).inc()

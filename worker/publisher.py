@@ -30,33 +30,9 @@ from collections.abc import Awaitable, Callable
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 
-from schemas import ErrorInfo
 from worker.offsets import Release
 
 log = logging.getLogger(__name__)
-
-# NOTE: every record produced here must fit aiokafka's max_request_size, 1 MiB by default, which
-# these producers keep (and a broker's default message.max.bytes is about the same). A record
-# over it is refused before it is sent, and a refused release is retried on every flush, so it
-# wedges its partition for good. Dead letters are the one output that echoes input bytes, so
-# they are cut to fit (fit_dead_letter); the rest are bounded by max_tokens and the schemas.
-MAX_RECORD_BYTES = 1_048_576
-# Room left in a record for the dead-letter envelope: topic name, reason, worker id, framing.
-DEAD_LETTER_MAX_BYTES = MAX_RECORD_BYTES - 64 * 1024
-
-
-def fit_dead_letter(payload: bytes, key: bytes | None, headers: list[tuple[str, bytes]],
-                    reason: ErrorInfo) -> tuple[bytes, bytes | None, list[tuple[str, bytes]], ErrorInfo]:
-    """The payload, key and headers a dead letter can keep, and its reason saying what was cut."""
-    extras = len(key or b"") + sum(len(k) + len(v) for k, v in headers)
-    if len(payload) + extras <= DEAD_LETTER_MAX_BYTES:
-        return payload, key, headers, reason
-    note = ""
-    if extras > DEAD_LETTER_MAX_BYTES // 2:
-        key, headers, extras, note = None, [], 0, "; key and headers dropped"
-    room = DEAD_LETTER_MAX_BYTES - extras
-    note = f" [dead letter keeps the first {min(room, len(payload))} of {len(payload)} payload bytes{note}]"
-    return payload[:room], key, headers, ErrorInfo(code=reason.code, message=reason.message + note)
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -162,7 +162,7 @@ class Worker:
             table=self.inflight, trackers=self.partitions.trackers, deltas=self.deltas, ctx=self.ctx,
             metrics=self.metrics, topics=cfg.topics, log_prompts=cfg.logging.log_prompts, redis=self.redis,
             results_ready=self.flusher.results_ready, on_progress=self.partitions.update_pause,
-            speculative=cfg.speculative.method is not None,
+            speculative=cfg.speculative.method is not None, max_record_bytes=cfg.kafka.max_message_bytes,
         )
         self.intake = Intake(
             consumer=self.consumer, partitions=self.partitions, handlers=self.handlers, ctx=self.ctx,

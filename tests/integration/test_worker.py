@@ -76,7 +76,10 @@ def test_bad_input_gets_an_error_result_or_a_dlq_record_and_the_worker_keeps_ser
     dead = [decode_dead_letter(r.value) for r in letters]
     assert sorted(d.reason.code for d in dead) == ["bad_request", "bad_request"]
     assert sorted(d.payload[:12] for d in dead) == [b"\x00\x01garbage th", b'{"id": "over']
-    assert max(len(d.payload) for d in dead) > 65536  # the oversized record is kept whole
+    # The oversized record keeps the head that fits one record of max_message_bytes, and says so.
+    [cut] = [d for d in dead if d.payload.startswith(b'{"id": "over')]
+    assert 65536 // 2 < len(cut.payload) < 65536 and all(len(r.value) <= 65536 for r in letters)
+    assert f"dead letter keeps the first {len(cut.payload)} of {70000 + 82} payload bytes" in cut.reason.message
     assert all(d.topic == topics.chat for d in dead)
     assert w.proc.poll() is None, "the worker died"
 
@@ -214,3 +217,15 @@ def test_a_model_that_cannot_load_is_one_cannot_start_event_and_exit_code_2(work
     assert event["level"] == "error" and event["reason"].startswith(f"model {str(model)!r}: ")
     assert ("unknown model" if problem == "missing" else "not valid JSON") in event["reason"]
     assert "Traceback" not in w.logs()
+
+
+def test_a_record_limit_over_the_topics_is_one_cannot_start_event_and_exit_code_3(worker_setup):
+    """kafka.max_message_bytes over the results topic's max.message.bytes (the local stack's topics take
+    2 MiB): a result that large would be refused by the broker, so the worker does not start."""
+    _, start = worker_setup
+    w = start(kafka={"max_message_bytes": 4 << 20})
+    assert w.wait(timeout=120) == 3, w.logs()[-3000:]
+    [event] = [e for e in w.log_events() if e.get("event") == "cannot start"]
+    assert event["reason"].startswith("kafka.max_message_bytes is 4194304, over the max.message.bytes of "), event
+    assert "(2097152)" in event["reason"] and "Traceback" not in w.logs()
+    assert "worker started" not in w.logs()

@@ -223,3 +223,32 @@ def test_keys_no_field_reads_are_named_in_the_result(worker_setup, kafka_bootstr
     assert (got["typo"][0].status, got["typo"][0].ignored_fields) == ("ok", ["max_token"])
     assert (got["risk-typo"][0].status, got["risk-typo"][0].ignored_fields) == ("ok", ["items[0].lable"])
     assert 'infinilm_request_fields_ignored_total{kind="chat"} 1.0' in w.metrics()
+
+
+def test_results_over_the_record_limit_are_cut_or_refused_and_their_partitions_go_on(worker_setup, kafka_bootstrap):
+    """A result the producers could not send would hold up its partition for good; here one is cut to fit
+    and one answered result_too_large, and the requests after them on the same topics are answered."""
+    topics, start = worker_setup
+    w = start(kafka={"max_message_bytes": 16384})
+    w.wait_ready()
+    scored = chat("scored", "Tell me a long story.", max_tokens=64, logprobs=True, top_logprobs=20)
+    # Each item's result scores every label: 60 items by 8 labels is a small request (under the 16 KiB that
+    # requests are held to as well) and a large result.
+    wide = RiskRequest(id="wide", items=[RiskItem(id=f"item-{i:02d}", text="a payment") for i in range(60)],
+                       labels=[f"risk-level-{j}" for j in range(8)])
+    after = [chat("chat-after", max_tokens=2),
+             RiskRequest(id="risk-after", items=[RiskItem(id="i0", text="a payment")], labels=["low", "high"])]
+    sends = [(topics.chat, scored, "json"), (topics.risk, wide, "json"),
+             (topics.chat, after[0], "json"), (topics.risk, after[1], "json")]
+    got = asyncio.run(send_and_collect(kafka_bootstrap, topics, sends, ["scored", "wide", "chat-after", "risk-after"],
+                                       linger=0.5, timeout=180))
+    [cut], [refused] = got["scored"], got["wide"]
+    assert cut.usage.completion_tokens > 20, cut  # enough entries (about 1.2 kB each) to pass 16 KiB
+    assert (cut.status, cut.truncated) == ("ok", ["logprobs"]) and 0 < len(cut.logprobs) < cut.usage.completion_tokens
+    assert all(len(entry.top) == 20 for entry in cut.logprobs)
+    assert (refused.status, refused.error.code, refused.kind) == ("error", "result_too_large", "risk"), refused
+    assert refused.usage.prompt_tokens > 0
+    assert [got[rid][0].status for rid in ("chat-after", "risk-after")] == ["ok", "ok"]
+    metrics = w.metrics()
+    assert 'infinilm_results_truncated_total{field="logprobs",kind="chat"} 1.0' in metrics
+    assert 'infinilm_requests_total{kind="risk",status="result_too_large"} 1.0' in metrics

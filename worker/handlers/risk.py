@@ -75,7 +75,8 @@ class RiskHandler:
             item_ids = tok.encode(item.text, add_special_tokens=False)
             for j, lab in enumerate(label_ids):
                 pending.append((item_ids + tail + lab, i, j, len(lab)))
-        budget = min(PACK_TOKENS, ctx.max_num_batched_tokens) - len(head)
+        # A packed request is one prompt: it must fit the model's context as well as one step.
+        budget = min(PACK_TOKENS, ctx.max_num_batched_tokens, ctx.max_model_len) - len(head)
         if budget <= 0 or any(len(seg) > budget for seg, *_ in pending):
             raise RequestError(
                 f"a risk item with its template and label needs more than the {budget} tokens one packed "

@@ -569,6 +569,7 @@ def test_error_codes_are_the_documented_set():
         "overloaded",
         "internal",
         "sequence_gap",
+        "result_too_large",
     }
     assert ErrorCode.overloaded == "overloaded"
 

@@ -40,6 +40,9 @@ KIND_KEYS = {
     "chat+logprobs": {"logprobs"},
     "asr": {"stream_id", "seq", "committed_text"},
     "risk": {"items"},
+    # Cut to fit one record (worker.record_size): said in `truncated`, and only those fields change.
+    "chat+logprobs, truncated": {"logprobs", "truncated"},
+    "asr, truncated": {"stream_id", "seq", "truncated"},
 }
 ERROR_KEYS = RESULT_KEYS | {"error"}
 ASR_ERROR_KEYS = ERROR_KEYS | {"stream_id", "seq"}
@@ -90,6 +93,11 @@ OK_RESULTS = {
                   stream_id="call-42", seq=0, committed_text="So the meeting"),
     "risk": Result(id="r1", kind="risk", finish_reason="stop", usage=usage(),
                    items=[RiskItemResult(id="tx1", scores={"low": 0.2, "high": 0.8}, label="high")]),
+    "chat+logprobs, truncated": Result(id="c4", kind="chat", text="Hi", finish_reason="stop", usage=usage(),
+                                       logprobs=[TokenLogprob(token_id=7, token="Hi", logprob=-0.1)],
+                                       truncated=["logprobs"]),
+    "asr, truncated": Result(id="a2", kind="asr", text="So the meeting", finish_reason="stop", usage=usage(),
+                             stream_id="call-42", seq=7, truncated=["committed_text"]),
 }
 
 

@@ -447,13 +447,16 @@ def test_cli_show_masks_secrets(cli, tmp_path):
     assert PASSWORD not in result.output
 
 
-def test_producers_get_the_configured_retry_backoff_and_consumers_keep_the_default(tmp_path):
+def test_producers_get_the_configured_retry_backoff_and_record_size_and_consumers_keep_the_defaults(tmp_path):
     from worker.kafka_clients import client_kwargs, producer_kwargs
 
     default = load_config(None, env={}).kafka
-    assert producer_kwargs(default)["retry_backoff_ms"] == 20
-    cfg = load_config(write(tmp_path, "kafka:\n  producer_retry_backoff_ms: 45\n"), env={}).kafka
+    assert (producer_kwargs(default)["retry_backoff_ms"], producer_kwargs(default)["max_request_size"]) == (20, 1 << 20)
+    cfg = load_config(write(tmp_path, "kafka:\n  producer_retry_backoff_ms: 45\n  max_message_bytes: 64KiB\n"),
+                      env={}).kafka
     produced = producer_kwargs(cfg, client_id="w1")
-    assert produced == {**client_kwargs(cfg, client_id="w1"), "retry_backoff_ms": 45}
-    assert "retry_backoff_ms" not in client_kwargs(cfg)
+    assert produced == {**client_kwargs(cfg, client_id="w1"), "retry_backoff_ms": 45, "max_request_size": 65536}
+    assert "retry_backoff_ms" not in client_kwargs(cfg) and "max_request_size" not in client_kwargs(cfg)
     assert "producer_retry_backoff_ms" in error_of(tmp_path, "kafka:\n  producer_retry_backoff_ms: 0\n")
+    assert "max_message_bytes: must be at least 16KiB, got 8192" in error_of(
+        tmp_path, "kafka:\n  max_message_bytes: 8KiB\n")

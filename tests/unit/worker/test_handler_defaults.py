@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import msgspec
 import pytest
@@ -57,3 +58,18 @@ def test_a_risk_request_without_labels_is_scored_on_the_configured_ones(llm):
     outputs = llm.generate([w.prompt_token_ids for w in prepared.work], [w.params for w in prepared.work],
                            masks=[w.mask for w in prepared.work])
     assert set(asyncio.run(handler.finish(named, prepared, outputs, ctx)).items[0].scores) == {"ok", "fraud", "spam"}
+
+
+def test_a_risk_request_packs_its_items_within_the_models_context_as_well_as_one_step(llm):
+    """A context shorter than a step's token budget (the tiny model's 512 against 2048) bounds each packed
+    prompt: before, 60 items by 8 labels were packed past it and answered prompt_too_long."""
+    ctx = dataclasses.replace(ctx_for(llm), max_num_batched_tokens=2048)
+    assert ctx.max_model_len < 1024  # PACK_TOKENS, the other bound
+    req = RiskRequest(id="r", items=[RiskItem(id=f"i{i}", text="a payment") for i in range(60)],
+                      labels=[f"risk-level-{j}" for j in range(8)])
+    prepared = asyncio.run(RiskHandler().prepare(req, ctx))
+    assert len(prepared.work) > 1 and all(len(w.prompt_token_ids) <= ctx.max_model_len for w in prepared.work)
+    outputs = llm.generate([w.prompt_token_ids for w in prepared.work], [w.params for w in prepared.work],
+                           masks=[w.mask for w in prepared.work])
+    result = asyncio.run(RiskHandler().finish(req, prepared, outputs, ctx))
+    assert len(result.items) == 60 and all(len(item.scores) == 8 for item in result.items)

@@ -76,7 +76,7 @@ class FakePartitions:
         raise AssertionError("the partition is set up")
 
 
-def _parts(batcher=None, max_running: int = 64, chat=None, deltas=None, config=None):
+def _parts(batcher=None, max_running: int = 64, chat=None, deltas=None, config=None, max_record_bytes: int = 1 << 20):
     config = config or ServiceConfig()
     topics = SimpleNamespace(request_topics={"chat": TOPIC}, results="results", deltas="deltas", dlq="dlq")
     metrics = WorkerMetrics(CollectorRegistry())
@@ -88,7 +88,7 @@ def _parts(batcher=None, max_running: int = 64, chat=None, deltas=None, config=N
         fl, code, msg), max_running=max_running)
     completion = Completion(table=table, trackers=partitions.trackers, deltas=deltas, ctx=ctx, metrics=metrics,
                             topics=topics, log_prompts=False, redis=None, results_ready=ready,
-                            on_progress=partitions.update_pause)
+                            on_progress=partitions.update_pause, max_record_bytes=max_record_bytes)
     intake = Intake(consumer=None, partitions=partitions, handlers={"chat": chat or TwoRounds(), "asr": RefusesAsr()}, ctx=ctx, table=table,
                     completion=completion, metrics=metrics, dlq_topic="dlq", max_message_bytes=1 << 20,
                     results_ready=ready)
@@ -393,3 +393,48 @@ async def _unknown_fields_are_named_in_the_result_or_rejected():
 
 def test_unknown_fields_are_named_in_the_result_or_rejected():
     asyncio.run(_unknown_fields_are_named_in_the_result_or_rejected())
+
+
+class LongAnswers:
+    """A chat handler whose answer is its output's text repeated `times` (the request's max_tokens), with a
+    logprob entry for each repeat when the request asks for them."""
+
+    kind = "chat"
+
+    async def prepare(self, request, ctx) -> Prepared:
+        return Prepared(work=[Work([1, 2, 3], SamplingParams(max_tokens=4))])
+
+    async def finish(self, request, prepared, outputs, ctx):
+        from schemas import TokenLogprob, TopLogprob
+
+        times = request.max_tokens
+        entries = [TokenLogprob(token_id=i, token="word", logprob=-0.5, top=[
+            TopLogprob(token_id=j, token=f"alt{j}", logprob=-1.0) for j in range(request.top_logprobs)])
+            for i in range(times)] if request.logprobs else None
+        return Result(id=request.id, kind="chat", text=outputs[0].text * times, finish_reason="length",
+                      usage=Usage(prompt_tokens=3, completion_tokens=times), logprobs=entries)
+
+
+async def _a_result_over_the_record_limit_is_cut_to_fit_or_answered_result_too_large():
+    limit = 16 << 10
+    intake, _, completion, _, tracker, _ = _parts(chat=LongAnswers(), max_record_bytes=limit)
+    requests = [b'{"id": "lp", "kind": "chat", "max_tokens": 400, "logprobs": true, "top_logprobs": 5, '
+                b'"messages": [{"role": "user", "content": "hi"}]}',
+                b'{"id": "long", "kind": "chat", "max_tokens": 9000, "messages": [{"role": "user", "content": "hi"}]}']
+    for offset, value in enumerate(requests):
+        assert await intake.take(_record(offset, value))
+        await completion.on_engine_event(EngineEvent(outputs=[_done(f"requests/0/{offset}/0", "word ")]))
+    records = tracker.release().records
+    assert all(len(r.value) <= limit for r in records)  # before: refused by the producer, for ever
+    cut, refused = (decode_result(r.value) for r in records)
+    assert (cut.status, cut.text, cut.truncated) == ("ok", "word " * 400, ["logprobs"])
+    assert 0 < len(cut.logprobs) < 400 and cut.usage.completion_tokens == 400
+    assert (refused.status, refused.error.code, refused.usage.completion_tokens) == ("error", "result_too_large", 9000)
+    sample = intake.metrics.registry.get_sample_value
+    assert sample("infinilm_results_truncated_total", {"kind": "chat", "field": "logprobs"}) == 1
+    assert sample("infinilm_requests_total", {"kind": "chat", "status": "ok"}) == 1
+    assert sample("infinilm_requests_total", {"kind": "chat", "status": "result_too_large"}) == 1
+
+
+def test_a_result_over_the_record_limit_is_cut_to_fit_or_answered_result_too_large():
+    asyncio.run(_a_result_over_the_record_limit_is_cut_to_fit_or_answered_result_too_large())
