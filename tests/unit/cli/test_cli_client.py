@@ -9,6 +9,7 @@ import gc
 import json
 import socket
 import warnings
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -18,6 +19,28 @@ from worker import client as client_module
 from worker.client import RequestProducer, TopicReader
 
 runner = CliRunner()
+
+
+def reader_of(values: list[bytes], consumed: list[bytes] | None = None):
+    """A TopicReader stand-in that yields `values` as records, noting each in `consumed`."""
+
+    class Reader:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        async def records(self, timeout_s: float):
+            for offset, value in enumerate(values):
+                if consumed is not None:
+                    consumed.append(value)
+                yield SimpleNamespace(value=value, offset=offset)
+
+    return Reader
 
 
 def closed_port() -> int:
@@ -129,8 +152,6 @@ def test_consume_timeout_counts_idle_seconds(monkeypatch):
 def test_produce_stream_prints_what_a_client_should_show(monkeypatch, capsys):
     """A restart delta, and a second index 0 (the request moved to another worker), each start the text again,
     visibly; a stream that failed says so; another request's deltas are not shown."""
-    from types import SimpleNamespace
-
     from cli.client import _print_deltas
     from schemas import Delta, encode
 
@@ -140,21 +161,7 @@ def test_produce_stream_prints_what_a_client_should_show(monkeypatch, capsys):
                                                           finish_reason="error"),
               Delta(id="c1", index=2, text="after the end")]
 
-    class Reader:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc) -> None:
-            pass
-
-        async def records(self, timeout_s: float):
-            for d in deltas:
-                yield SimpleNamespace(value=encode(d, "json"))
-
-    monkeypatch.setattr(client_module, "TopicReader", Reader)
+    monkeypatch.setattr(client_module, "TopicReader", reader_of([encode(d, "json") for d in deltas]))
     asyncio.run(_print_deltas("broker", {}, "deltas", "c1", 5.0, asyncio.Event()))
     assert capsys.readouterr().err == (
         "Bad\n[the answer broke a rule; generating it again]\nGo"
@@ -229,34 +236,13 @@ def test_produce_sends_a_system_message_and_asks_for_logprobs(monkeypatch):
 
 
 def test_consume_id_prints_only_those_requests_and_stops_when_each_has_ended(monkeypatch, capsys):
-    from types import SimpleNamespace
-
     from cli.client import _config, _consume
     from schemas import Delta, Result, encode
 
-    consumed = []
-
-    def reader_of(records):
-        class Reader:
-            def __init__(self, *args, **kwargs) -> None:
-                pass
-
-            async def __aenter__(self):
-                return self
-
-            async def __aexit__(self, *exc) -> None:
-                pass
-
-            async def records(self, timeout_s: float):
-                for value in records:
-                    consumed.append(value)
-                    yield SimpleNamespace(value=value, offset=len(consumed))
-
-        return Reader
-
+    consumed: list[bytes] = []
     results = [encode(Result(id=i, kind="chat", text=i), "json") for i in ("a", "other", "b", "after")]
     results.insert(1, b"not a result")
-    monkeypatch.setattr(client_module, "TopicReader", reader_of(results))
+    monkeypatch.setattr(client_module, "TopicReader", reader_of(results, consumed))
     cfg = _config(None, None)
     asyncio.run(_consume(cfg, "results", "results", True, None, 1.0, {"a", "b"}))
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -266,7 +252,7 @@ def test_consume_id_prints_only_those_requests_and_stops_when_each_has_ended(mon
     consumed.clear()
     deltas = [Delta(id="a", index=0, text="x"), Delta(id="b", index=0, text="y"),
               Delta(id="a", index=1, text="z", finished=True, finish_reason="stop"), Delta(id="a", index=2, text="!")]
-    monkeypatch.setattr(client_module, "TopicReader", reader_of([encode(d, "json") for d in deltas]))
+    monkeypatch.setattr(client_module, "TopicReader", reader_of([encode(d, "json") for d in deltas], consumed))
     asyncio.run(_consume(cfg, "deltas", "deltas", True, None, 1.0, {"a"}))
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(d["id"], d["index"]) for d in printed] == [("a", 0), ("a", 1)] and len(consumed) == 3
