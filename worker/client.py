@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode
+from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode, validate_request
 from worker.publisher import ReplaceableProducer
 
 CONTENT_TYPES = {"json": b"application/json", "msgpack": b"application/msgpack"}
@@ -160,6 +160,112 @@ async def collect_results(reader: TopicReader, ids: Iterable[str], timeout_s: fl
         if wanted <= set(got) or time.monotonic() > deadline:
             break
     return got
+
+
+class ClientClosed(RuntimeError):
+    """The ServiceClient was closed, or its results reader failed, before the result came."""
+
+
+class ServiceClient:
+    """An application's client of the service: send requests, await each one's committed result.
+
+    ```python
+    async with ServiceClient("127.0.0.1:9092") as client:
+        result = await client.request(ChatRequest(id="c1", messages=[Message(role="user", content="Hi")]))
+    ```
+
+    One reader follows the results topic (read_committed) from the end offsets it took at start, before
+    any request went out, so no result of a request sent through this client is missed; results are
+    matched to requests by `id` (an asr chunk's too, though its record is keyed by its stream), and a
+    second copy of a result (at-least-once delivery) is ignored. Requests are checked as a worker checks
+    them before they are sent (schemas.SchemaError). Many requests may wait at once; each result is the
+    worker's answer, errors included (`status`, `error`).
+    """
+
+    def __init__(self, bootstrap_servers: str, topics=None, fmt: str = "msgpack", **kwargs) -> None:
+        """`topics`: the deployment's topic names (a worker.config_sections.TopicsConfig; the defaults if
+        None); `fmt`: the wire format of the requests, "msgpack" or "json"; `kwargs`: aiokafka client
+        settings (security, timeouts), as worker.kafka_clients.client_kwargs makes them."""
+        if topics is None:
+            from worker.config_sections import TopicsConfig
+
+            topics = TopicsConfig()
+        if fmt not in CONTENT_TYPES:
+            raise ValueError(f"fmt must be json or msgpack, got {fmt!r}")
+        self._topics = topics.request_topics
+        self._fmt = fmt
+        self._producer = RequestProducer(bootstrap_servers, **kwargs)
+        self._results = TopicReader(bootstrap_servers, topics.results, **kwargs)
+        self._waiting: dict[str, asyncio.Future[Result]] = {}
+        self._reader: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+        self._closing = False
+
+    async def __aenter__(self) -> ServiceClient:
+        await self._results.__aenter__()  # positioned before the first request goes out
+        try:
+            await self._producer.__aenter__()
+        except BaseException:
+            await self._results.__aexit__()
+            raise
+        self._reader = asyncio.create_task(self._read(), name="infinilm-client-results")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._closing = True
+        # Cancelled again until done: Python 3.11's wait_for (under aiokafka's poll) can swallow a
+        # cancellation that lands as its wait ends; the flag ends the loop after that poll anyway.
+        while self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            await asyncio.wait({self._reader}, timeout=0.5)
+        self._fail_waiting(ClientClosed("the client was closed before the result came"))
+        try:
+            await self._producer.__aexit__()
+        finally:
+            await self._results.__aexit__()
+
+    async def request(self, request, *, timeout: float | None = 120.0) -> Result:
+        """Send `request` (a ChatRequest, AsrRequest or RiskRequest) and return its committed result.
+        Raises SchemaError for a request a worker would refuse (nothing is sent), ValueError for an id
+        already waiting here, TimeoutError when no result came within `timeout` seconds, and ClientClosed
+        when the client stopped reading first."""
+        validate_request(request)
+        if self._failure is not None:
+            raise ClientClosed(f"the results reader failed: {self._failure!r}")
+        if self._reader is None or self._reader.done():
+            raise ClientClosed("the client is not open: use `async with ServiceClient(...) as client`")
+        if request.id in self._waiting:
+            raise ValueError(f"a request with id {request.id!r} is already waiting for its result")
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._waiting[request.id] = future
+        try:
+            await (await self._producer.send(self._topics[request.kind], request, self._fmt))
+            async with asyncio.timeout(timeout):
+                return await future
+        finally:
+            self._waiting.pop(request.id, None)
+
+    async def _read(self) -> None:
+        try:
+            while not self._closing:
+                for rec in await self._results.poll(500):
+                    try:
+                        result = decode_result(rec.value)
+                    except SchemaError:
+                        continue  # not a result this client can read; not one of its requests either
+                    future = self._waiting.get(result.id)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failure = exc
+            self._fail_waiting(ClientClosed(f"the results reader failed: {exc!r}"))
+
+    def _fail_waiting(self, exc: Exception) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(exc)
 
 
 @dataclass

@@ -131,3 +131,35 @@ def test_produce_sends_a_request_file_as_written_and_reads_one_from_stdin(worker
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert (answer["kind"], answer["status"], answer["seq"]) == ("asr", "ok", 0), answer
     assert "ignored_fields" not in answer  # msgpack goes out from the decoded request
+
+
+def test_a_service_client_gets_each_of_many_requests_its_committed_result(worker_setup, kafka_bootstrap):
+    """worker.client.ServiceClient against a real worker: chat, asr and risk requests at once, each answered
+    with its own result, an error included; a request with no worker to answer it times out."""
+    from schemas import AsrRequest, ChatRequest, Message, RiskItem, RiskRequest
+    from worker.client import ServiceClient
+    from worker.config_sections import TopicsConfig
+
+    topics, start = worker_setup
+    worker = start()
+    worker.wait_ready()
+    chats = [ChatRequest(id=f"chat-{i}", messages=[Message(role="user", content=f"Say {i}.")], max_tokens=3)
+             for i in range(6)]
+    others = [AsrRequest(id="asr-0", stream_id="call-1", seq=0, text="so um hello there"),
+              RiskRequest(id="risk-0", items=[RiskItem(id="i0", text="a payment")], labels=["low", "high"]),
+              ChatRequest(id="too-long", messages=[Message(role="user", content="x " * 600)], max_tokens=3)]
+
+    async def run():
+        async with ServiceClient(kafka_bootstrap, TopicsConfig(**topics.as_dict()), fmt="json") as client:
+            results = await asyncio.gather(*(client.request(r, timeout=120) for r in [*chats, *others]))
+        worker.stop()
+        async with ServiceClient(kafka_bootstrap, TopicsConfig(**topics.as_dict())) as client:
+            with pytest.raises(TimeoutError):
+                await client.request(chats[0], timeout=3)
+        return results
+
+    results = asyncio.run(run())
+    assert [r.id for r in results] == [r.id for r in [*chats, *others]]
+    assert [r.status for r in results[:-1]] == ["ok"] * 8, results
+    assert (results[-1].status, results[-1].error.code) == ("error", "prompt_too_long")
+    assert (results[6].kind, results[6].seq, results[7].items[0].id) == ("asr", 0, "i0")
