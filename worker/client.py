@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
+import msgspec
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Delta, Result, SchemaError, decode_delta, decode_result, encode, validate_request
@@ -166,6 +167,17 @@ class ClientClosed(RuntimeError):
     """The ServiceClient was closed, or its results reader failed, before the result came."""
 
 
+@dataclass
+class StreamUpdate:
+    """What ServiceClient.stream yields: the text to show now, and on the last update the result."""
+
+    text: str
+    # "restart" or "moved" when the text started again (StreamText.add), else "".
+    event: str = ""
+    # The committed result, on the last update only; its text is the answer of record.
+    result: Result | None = None
+
+
 class ServiceClient:
     """An application's client of the service: send requests, await each one's committed result.
 
@@ -179,13 +191,16 @@ class ServiceClient:
     matched to requests by `id` (an asr chunk's too, though its record is keyed by its stream), and a
     second copy of a result (at-least-once delivery) is ignored. Requests are checked as a worker checks
     them before they are sent (schemas.SchemaError). Many requests may wait at once; each result is the
-    worker's answer, errors included (`status`, `error`).
+    worker's answer, errors included (`status`, `error`). With `streaming=True` a second reader follows
+    the deltas topic, for `stream`.
     """
 
-    def __init__(self, bootstrap_servers: str, topics=None, fmt: str = "msgpack", **kwargs) -> None:
+    def __init__(self, bootstrap_servers: str, topics=None, fmt: str = "msgpack", *, streaming: bool = False,
+                 **kwargs) -> None:
         """`topics`: the deployment's topic names (a worker.config_sections.TopicsConfig; the defaults if
-        None); `fmt`: the wire format of the requests, "msgpack" or "json"; `kwargs`: aiokafka client
-        settings (security, timeouts), as worker.kafka_clients.client_kwargs makes them."""
+        None); `fmt`: the wire format of the requests, "msgpack" or "json"; `streaming`: also read the
+        deltas topic, for `stream`; `kwargs`: aiokafka client settings (security, timeouts), as
+        worker.kafka_clients.client_kwargs makes them."""
         if topics is None:
             from worker.config_sections import TopicsConfig
 
@@ -195,44 +210,99 @@ class ServiceClient:
         self._topics = topics.request_topics
         self._fmt = fmt
         self._producer = RequestProducer(bootstrap_servers, **kwargs)
-        self._results = TopicReader(bootstrap_servers, topics.results, **kwargs)
+        # Each reader with what it does with a record; all are positioned before the first request goes out.
+        self._readers = [(TopicReader(bootstrap_servers, topics.results, **kwargs), self._on_result)]
+        if streaming:
+            self._readers.append((TopicReader(bootstrap_servers, topics.deltas, **kwargs), self._on_delta))
         self._waiting: dict[str, asyncio.Future[Result]] = {}
-        self._reader: asyncio.Task | None = None
+        self._deltas: dict[str, asyncio.Queue[Delta]] = {}
+        self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
         self._closing = False
 
     async def __aenter__(self) -> ServiceClient:
-        await self._results.__aenter__()  # positioned before the first request goes out
+        opened = []
         try:
+            for reader, _ in self._readers:
+                await reader.__aenter__()
+                opened.append(reader)
             await self._producer.__aenter__()
         except BaseException:
-            await self._results.__aexit__()
+            for reader in opened:
+                await reader.__aexit__()
             raise
-        self._reader = asyncio.create_task(self._read(), name="infinilm-client-results")
+        self._tasks = [asyncio.create_task(self._read(reader, handle), name=f"infinilm-client-{reader.topic}")
+                       for reader, handle in self._readers]
         return self
 
     async def __aexit__(self, *exc) -> None:
         self._closing = True
         # Cancelled again until done: Python 3.11's wait_for (under aiokafka's poll) can swallow a
         # cancellation that lands as its wait ends; the flag ends the loop after that poll anyway.
-        while self._reader is not None and not self._reader.done():
-            self._reader.cancel()
-            await asyncio.wait({self._reader}, timeout=0.5)
+        while pending := [t for t in self._tasks if not t.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.5)
         self._fail_waiting(ClientClosed("the client was closed before the result came"))
         try:
             await self._producer.__aexit__()
         finally:
-            await self._results.__aexit__()
+            for reader, _ in self._readers:
+                await reader.__aexit__()
 
     async def request(self, request, *, timeout: float | None = 120.0) -> Result:
         """Send `request` (a ChatRequest, AsrRequest or RiskRequest) and return its committed result.
         Raises SchemaError for a request a worker would refuse (nothing is sent), ValueError for an id
         already waiting here, TimeoutError when no result came within `timeout` seconds, and ClientClosed
         when the client stopped reading first."""
+        future = await self._send(request)
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        finally:
+            self._waiting.pop(request.id, None)
+
+    async def stream(self, request, *, timeout: float | None = 120.0) -> AsyncIterator[StreamUpdate]:
+        """Send a chat `request` with `stream` on, and yield the text to show as its deltas arrive
+        (StreamText's rules), then one last update with the committed result, whose text is the answer
+        of record (deltas are best effort). Needs `streaming=True`; raises as `request` does, and
+        TimeoutError when the result did not come within `timeout` seconds of the send."""
+        if len(self._readers) < 2:
+            raise ValueError("stream needs a client made with streaming=True (it reads the deltas topic)")
+        if request.kind != "chat":
+            raise ValueError(f"only chat requests stream, not {request.kind}")
+        request = msgspec.structs.replace(request, stream=True)
+        if request.id in self._waiting or request.id in self._deltas:  # checked before anything is registered
+            raise ValueError(f"a request with id {request.id!r} is already waiting for its result")
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        self._deltas[request.id] = deltas
+        shown, getting = StreamText(), None
+        try:
+            future = await self._send(request)
+            async with asyncio.timeout(timeout):
+                while not future.done():
+                    getting = asyncio.ensure_future(deltas.get())
+                    await asyncio.wait({getting, future}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getting.done():
+                        continue
+                    before = shown.text
+                    event = shown.add(getting.result())
+                    if event or shown.text != before:
+                        yield StreamUpdate(shown.text, event)
+            result = future.result()
+            yield StreamUpdate(result.text, result=result)
+        finally:
+            if getting is not None:
+                getting.cancel()
+            self._waiting.pop(request.id, None)
+            self._deltas.pop(request.id, None)
+
+    async def _send(self, request) -> asyncio.Future[Result]:
+        """Check `request`, register its result's future, send it; the caller pops the future when done."""
         validate_request(request)
         if self._failure is not None:
-            raise ClientClosed(f"the results reader failed: {self._failure!r}")
-        if self._reader is None or self._reader.done():
+            raise ClientClosed(f"a reader of the client failed: {self._failure!r}")
+        if not self._tasks or any(t.done() for t in self._tasks):
             raise ClientClosed("the client is not open: use `async with ServiceClient(...) as client`")
         if request.id in self._waiting:
             raise ValueError(f"a request with id {request.id!r} is already waiting for its result")
@@ -240,27 +310,39 @@ class ServiceClient:
         self._waiting[request.id] = future
         try:
             await (await self._producer.send(self._topics[request.kind], request, self._fmt))
-            async with asyncio.timeout(timeout):
-                return await future
-        finally:
+        except BaseException:
             self._waiting.pop(request.id, None)
+            raise
+        return future
 
-    async def _read(self) -> None:
+    async def _read(self, reader: TopicReader, handle) -> None:
         try:
             while not self._closing:
-                for rec in await self._results.poll(500):
-                    try:
-                        result = decode_result(rec.value)
-                    except SchemaError:
-                        continue  # not a result this client can read; not one of its requests either
-                    future = self._waiting.get(result.id)
-                    if future is not None and not future.done():
-                        future.set_result(result)
+                for rec in await reader.poll(500):
+                    handle(rec.value)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._failure = exc
-            self._fail_waiting(ClientClosed(f"the results reader failed: {exc!r}"))
+            self._fail_waiting(ClientClosed(f"a reader of the client failed: {exc!r}"))
+
+    def _on_result(self, value: bytes) -> None:
+        try:
+            result = decode_result(value)
+        except SchemaError:
+            return  # not a result this client can read; not one of its requests either
+        future = self._waiting.get(result.id)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def _on_delta(self, value: bytes) -> None:
+        try:
+            delta = decode_delta(value)
+        except SchemaError:
+            return
+        queue = self._deltas.get(delta.id)
+        if queue is not None:
+            queue.put_nowait(delta)
 
     def _fail_waiting(self, exc: Exception) -> None:
         for future in self._waiting.values():

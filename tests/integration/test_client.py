@@ -135,7 +135,7 @@ def test_produce_sends_a_request_file_as_written_and_reads_one_from_stdin(worker
 
 def test_a_service_client_gets_each_of_many_requests_its_committed_result(worker_setup, kafka_bootstrap):
     """worker.client.ServiceClient against a real worker: chat, asr and risk requests at once, each answered
-    with its own result, an error included; a request with no worker to answer it times out."""
+    with its own result, an error included; a chat streamed; a request with no worker to answer it times out."""
     from schemas import AsrRequest, ChatRequest, Message, RiskItem, RiskRequest
     from worker.client import ServiceClient
     from worker.config_sections import TopicsConfig
@@ -150,9 +150,21 @@ def test_a_service_client_gets_each_of_many_requests_its_committed_result(worker
               ChatRequest(id="too-long", messages=[Message(role="user", content="x " * 600)], max_tokens=3)]
 
     async def run():
-        async with ServiceClient(kafka_bootstrap, TopicsConfig(**topics.as_dict()), fmt="json") as client:
+        async with ServiceClient(kafka_bootstrap, TopicsConfig(**topics.as_dict()), fmt="json",
+                                 streaming=True) as client:
             results = await asyncio.gather(*(client.request(r, timeout=120) for r in [*chats, *others]))
+            streamed = ChatRequest(id="streamed", messages=[Message(role="user", content="Count to five.")],
+                                   max_tokens=12)
+            updates = [u async for u in client.stream(streamed, timeout=120)]
         worker.stop()
+        # Text as it came, each a longer start of the answer, then the result (deltas read after it are not
+        # waited for: the result's text is the answer of record).
+        texts = [u.text for u in updates[:-1]]
+        assert texts and all(u.result is None and not u.event for u in updates[:-1]), updates
+        answer = updates[-1].result
+        assert answer.status == "ok" and updates[-1].text == answer.text
+        assert all(a.startswith(b) and a != b for a, b in zip(texts[1:], texts, strict=False))
+        assert answer.text.startswith(texts[-1])
         async with ServiceClient(kafka_bootstrap, TopicsConfig(**topics.as_dict())) as client:
             with pytest.raises(TimeoutError):
                 await client.request(chats[0], timeout=3)

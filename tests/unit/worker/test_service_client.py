@@ -19,11 +19,12 @@ def chat(rid: str, **kw) -> ChatRequest:
 
 
 class Broker:
-    """Stands in for the producer and the results reader: records what was sent; answers are pushed by the test."""
+    """Stands in for the producer and the topic readers: records what was sent; the test pushes results and deltas."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, ChatRequest, str]] = []
         self.results: asyncio.Queue = asyncio.Queue()
+        self.deltas: asyncio.Queue = asyncio.Queue()
         self.fail_with: Exception | None = None
         broker = self
 
@@ -44,8 +45,9 @@ class Broker:
                 return done
 
         class Reader:
-            def __init__(self, *args, **kwargs) -> None:
-                pass
+            def __init__(self, bootstrap_servers: str, topic: str, **kwargs) -> None:
+                self.topic = topic
+                self.queue = broker.deltas if topic.endswith("deltas") else broker.results
 
             async def __aenter__(self):
                 return self
@@ -57,7 +59,7 @@ class Broker:
                 if broker.fail_with is not None:
                     raise broker.fail_with
                 try:
-                    value = await asyncio.wait_for(broker.results.get(), timeout_ms / 1000)
+                    value = await asyncio.wait_for(self.queue.get(), timeout_ms / 1000)
                 except TimeoutError:
                     return []
                 return [SimpleNamespace(value=value)]
@@ -130,7 +132,7 @@ def test_a_failed_reader_ends_the_waits_and_later_requests_with_client_closed(br
             broker.fail_with = RuntimeError("connection lost for good")
             with pytest.raises(ClientClosed, match="connection lost for good"):
                 await waiting
-            with pytest.raises(ClientClosed, match="results reader failed"):
+            with pytest.raises(ClientClosed, match="a reader of the client failed"):
                 await client.request(chat("after"))
 
     asyncio.run(run())
@@ -148,3 +150,64 @@ def test_a_client_not_open_or_closed_meanwhile_ends_the_wait_with_client_closed(
             await waiting
 
     asyncio.run(run())
+
+
+def test_stream_yields_the_text_to_show_then_the_result(broker):
+    from schemas import Delta
+
+    async def run():
+        async with ServiceClient("broker:9092", streaming=True) as client:
+            updates = []
+
+            async def consume():
+                async for update in client.stream(chat("s")):
+                    updates.append(update)
+
+            task = asyncio.create_task(consume())
+            while not broker.sent:
+                await asyncio.sleep(0.01)
+            for delta in (Delta(id="s", index=0, text="Bad"), Delta(id="other", index=0, text="NOT MINE"),
+                          Delta(id="s", index=1, restart=True), Delta(id="s", index=2, text="Go"),
+                          Delta(id="s", index=2, text="Go"), Delta(id="s", index=3, text="od")):
+                broker.deltas.put_nowait(encode(delta, "msgpack"))
+            while len(updates) < 4:
+                await asyncio.sleep(0.01)
+            broker.results.put_nowait(encode(Result(id="s", kind="chat", text="Good", finish_reason="stop"), "json"))
+            await task
+            return updates
+
+    updates = asyncio.run(run())
+    # A duplicate delta shows nothing new; the restart empties the text; the result ends the stream.
+    assert [(u.text, u.event, u.result is None) for u in updates] == [
+        ("Bad", "", True), ("", "restart", True), ("Go", "", True), ("Good", "", True), ("Good", "", False)]
+    assert updates[-1].result.finish_reason == "stop"
+    [(_, sent, _)] = broker.sent
+    assert sent.stream is True  # the request was sent with stream on, though made without it
+
+
+def test_stream_needs_a_streaming_client_and_a_chat(broker):
+    from schemas import AsrRequest
+
+    async def run():
+        async with ServiceClient("broker:9092") as client:
+            with pytest.raises(ValueError, match="streaming=True"):
+                async for _ in client.stream(chat("s")):
+                    pass
+        async with ServiceClient("broker:9092", streaming=True) as client:
+            with pytest.raises(ValueError, match="only chat requests stream, not asr"):
+                async for _ in client.stream(AsrRequest(id="a", stream_id="s", seq=0, text="hi")):
+                    pass
+            with pytest.raises(TimeoutError):
+                async for _ in client.stream(chat("quiet"), timeout=0.2):
+                    pass
+            waiting = asyncio.create_task(client.request(chat("twice"), timeout=5))
+            await asyncio.sleep(0.05)
+            with pytest.raises(ValueError, match="already waiting"):
+                async for _ in client.stream(chat("twice")):
+                    pass
+            # The refused stream took nothing of the request already waiting under its id.
+            broker.results.put_nowait(encode(Result(id="twice", kind="chat", text="once"), "msgpack"))
+            assert (await waiting).text == "once"
+
+    asyncio.run(run())
+    assert [req.id for _, req, _ in broker.sent] == ["quiet", "twice"]
