@@ -296,7 +296,7 @@ async def _print_deltas(servers, kwargs, topic, rid, timeout, positioned: asynci
                 return
 
 
-async def _consume(cfg, topic, role, from_beginning, limit, timeout, ids: set[str] = frozenset()):
+async def _consume(cfg, topic, role, from_beginning, limit, timeout, ids: frozenset[str] | set[str] = frozenset()):
     """Print the topic's records; with `ids` (results or deltas only), just those requests' records, until
     each has its result or its last delta."""
     from schemas import SchemaError, decode_dead_letter, decode_delta, decode_result

@@ -164,7 +164,7 @@ async def collect_results(reader: TopicReader, ids: Iterable[str], timeout_s: fl
 
 
 class ClientClosed(RuntimeError):
-    """The ServiceClient was closed, or its results reader failed, before the result came."""
+    """The ServiceClient was closed, or one of its readers failed, before the result came."""
 
 
 @dataclass
