@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from tests.unit.stubs import AsyncStub
 from worker import client as client_module
 from worker.client import RequestProducer, TopicReader
 
@@ -24,16 +25,7 @@ runner = CliRunner()
 def reader_of(values: list[bytes], consumed: list[bytes] | None = None):
     """A TopicReader stand-in that yields `values` as records, noting each in `consumed`."""
 
-    class Reader:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc) -> None:
-            pass
-
+    class Reader(AsyncStub):
         async def records(self, timeout_s: float):
             for offset, value in enumerate(values):
                 if consumed is not None:

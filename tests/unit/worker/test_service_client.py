@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from schemas import ChatRequest, Message, Result, SchemaError, encode, error_result
+from tests.unit.stubs import AsyncStub
 from worker import client as client_module
 from worker.client import ClientClosed, ServiceClient
 
@@ -28,32 +29,17 @@ class Broker:
         self.fail_with: Exception | None = None
         broker = self
 
-        class Producer:
-            def __init__(self, *args, **kwargs) -> None:
-                pass
-
-            async def __aenter__(self):
-                return self
-
-            async def __aexit__(self, *exc) -> None:
-                pass
-
+        class Producer(AsyncStub):
             async def send(self, topic, request, fmt="msgpack", key=None):
                 broker.sent.append((topic, request, fmt))
                 done = asyncio.get_running_loop().create_future()
                 done.set_result(None)
                 return done
 
-        class Reader:
+        class Reader(AsyncStub):
             def __init__(self, bootstrap_servers: str, topic: str, **kwargs) -> None:
                 self.topic = topic
                 self.queue = broker.deltas if topic.endswith("deltas") else broker.results
-
-            async def __aenter__(self):
-                return self
-
-            async def __aexit__(self, *exc) -> None:
-                pass
 
             async def poll(self, timeout_ms: int = 200) -> list:
                 if broker.fail_with is not None:
